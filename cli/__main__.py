@@ -1,0 +1,5 @@
+import sys
+
+from dgrpo.cli.main import main
+
+sys.exit(main())

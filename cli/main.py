@@ -1,0 +1,89 @@
+"""`dgrpo <command> [--config FILE] [key=value ...]`.
+
+The config is parsed and validated before any heavy import (torch, vLLM), so `--help` and config errors
+answer in about a second. Each command then imports only its own service.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+from dgrpo.common.config import ConfigError, describe, load_config, to_yaml
+
+# command -> (one-line purpose, config sections shown in --help, "module:function" run with the StackConfig)
+COMMANDS: dict[str, tuple[str, tuple[str, ...], str]] = {
+    "sampler": ("serve one sampler replica (vLLM engine over gRPC)", ("model", "sampler", "weights"),
+                "dgrpo.sampler.server:main"),
+    "rewarder": ("serve the reward service", ("rewarder",), "dgrpo.rewarder.server:main"),
+    "learner": ("run GRPO training, driving samplers and rewarder", ("model", "learner", "sampler", "weights"),
+                "dgrpo.learner.main:main"),
+    "show-config": ("print the fully resolved configuration as YAML", (), "dgrpo.cli.main:_show_config"),
+}
+
+OVERRIDE_HELP = (
+    "Overrides: dotted KEY=VALUE pairs after the options, applied on top of --config, values parsed as YAML\n"
+    "(e.g. sampler.gpu_memory_utilization=0.35 sampler.addresses='[a:1,b:2]'). Unknown keys and bad values\n"
+    "fail at start, naming the key."
+)
+
+
+def _options_help(sections: tuple[str, ...]) -> str:
+    from dgrpo.cli.stack import StackConfig
+
+    lines = ["", "Options (key (type, default): meaning):"]
+    for name in sections:
+        field = StackConfig.model_fields[name]
+        lines.append(f"\n[{name}] {field.description or ''}")
+        lines.extend(describe(field.annotation, name + "."))
+    return "\n".join(lines)
+
+
+def _show_config(cfg) -> int:
+    print(to_yaml(cfg), end="")
+    return 0
+
+
+def _resolve(target: str) -> Callable:
+    import importlib
+
+    module, func = target.split(":")
+    return getattr(importlib.import_module(module), func)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dgrpo",
+        description="Disaggregated GRPO: vLLM samplers, a reward service and a torch learner over gRPC.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=OVERRIDE_HELP,
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (purpose, sections, _) in COMMANDS.items():
+        p = sub.add_parser(
+            name,
+            help=purpose,
+            description=f"dgrpo {name}: {purpose}.",
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+            epilog=OVERRIDE_HELP + (_options_help(sections) if sections else ""),
+        )
+        p.add_argument("--config", metavar="FILE", help="YAML file with the stack configuration")
+        p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides (see below)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from dgrpo.cli.stack import StackConfig
+
+    try:
+        cfg = load_config(StackConfig, args.config, args.overrides)
+    except ConfigError as e:
+        print(f"dgrpo {args.command}: {e}", file=sys.stderr)
+        return 2
+    return int(_resolve(COMMANDS[args.command][2])(cfg) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

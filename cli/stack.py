@@ -1,0 +1,35 @@
+"""The root configuration of the whole stack: one YAML file, one section per component.
+
+Each section's schema lives next to its component; this file only assembles them and holds the checks
+that span components (e.g. prompt + response lengths must fit the sampler's context).
+"""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+
+from dgrpo.common.config import StrictConfig
+from dgrpo.common.model_config import ModelConfig
+from dgrpo.learner.config import LearnerConfig
+from dgrpo.rewarder.config import RewarderConfig
+from dgrpo.sampler.config import SamplerConfig
+from dgrpo.weights.config import WeightSyncConfig
+
+
+class StackConfig(StrictConfig):
+    """dgrpo: learner, sampler replicas and rewarder."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    """The policy model (shared by learner and samplers)."""
+    sampler: SamplerConfig = Field(default_factory=SamplerConfig)
+    """Sampler replicas (vLLM)."""
+    rewarder: RewarderConfig = Field(default_factory=RewarderConfig)
+    """Reward service."""
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    """GRPO trainer and loop driver."""
+    weights: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
+    """Weight sync from the learner to every sampler."""
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> StackConfig:
+        return self

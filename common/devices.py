@@ -1,0 +1,107 @@
+"""The one place that knows npu / cuda / cpu.
+
+Everything device-specific — which accelerator, which collective backend, which environment the Ascend
+stack needs — is decided here so the rest of dgrpo reads the same on every device.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Literal
+
+DeviceKind = Literal["npu", "cuda", "cpu"]
+
+DIST_BACKENDS: dict[str, str] = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
+# Env var that restricts which accelerators a process sees.
+VISIBLE_DEVICES_ENV: dict[str, str | None] = {
+    "npu": "ASCEND_RT_VISIBLE_DEVICES",
+    "cuda": "CUDA_VISIBLE_DEVICES",
+    "cpu": None,
+}
+
+
+def _npu_available() -> bool:
+    if importlib.util.find_spec("torch_npu") is None:
+        return False
+    import torch
+    import torch_npu  # noqa: F401  (registers torch.npu)
+
+    return bool(getattr(torch, "npu", None)) and torch.npu.is_available() and torch.npu.device_count() > 0
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.device_count() > 0
+
+
+def detect_device(requested: str = "auto") -> DeviceKind:
+    """`auto`: torch_npu present with a visible NPU -> npu; else a visible CUDA GPU -> cuda; else cpu."""
+    if requested not in ("auto", "npu", "cuda", "cpu"):
+        raise ValueError(f"device {requested!r} is not one of auto, npu, cuda, cpu")
+    if requested != "auto":
+        if requested == "npu" and not _npu_available():
+            raise RuntimeError("device 'npu' requested but torch_npu is missing or no NPU is visible")
+        if requested == "cuda" and not _cuda_available():
+            raise RuntimeError("device 'cuda' requested but no CUDA GPU is visible")
+        return requested  # type: ignore[return-value]
+    if _npu_available():
+        return "npu"
+    if _cuda_available():
+        return "cuda"
+    return "cpu"
+
+
+def dist_backend(device: DeviceKind) -> str:
+    """torch.distributed backend: hccl on Ascend, nccl on CUDA, gloo on CPU."""
+    return DIST_BACKENDS[device]
+
+
+def torch_device(device: DeviceKind, local_rank: int = 0):
+    import torch
+
+    return torch.device("cpu") if device == "cpu" else torch.device(device, local_rank)
+
+
+def sampler_env(device: DeviceKind, environ: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment defaults a sampler needs before vLLM is imported (user settings win).
+
+    npu: VLLM_ASCEND_ENABLE_NZ=0 — the NZ weight layout breaks in-place RL weight updates (0.23 raises);
+    and vllm-ascend's sleep-mode allocator refuses `expandable_segments`, so that setting is dropped.
+    cpu: a small KV-cache budget so several engines fit on a 24 GiB machine.
+    """
+    env = dict(os.environ if environ is None else environ)
+    out: dict[str, str] = {}
+    if device == "npu":
+        out["VLLM_ASCEND_ENABLE_NZ"] = env.get("VLLM_ASCEND_ENABLE_NZ", "0")
+        alloc = env.get("PYTORCH_NPU_ALLOC_CONF", "")
+        if "expandable_segments:True" in alloc:
+            out["PYTORCH_NPU_ALLOC_CONF"] = ",".join(p for p in alloc.split(",") if "expandable_segments" not in p)
+    elif device == "cpu":
+        out["VLLM_CPU_KVCACHE_SPACE"] = env.get("VLLM_CPU_KVCACHE_SPACE", "1")
+    return out
+
+
+def learner_env(device: DeviceKind, environ: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment defaults for the learner: on Ascend, expandable segments against fragmentation."""
+    env = dict(os.environ if environ is None else environ)
+    if device == "npu":
+        return {"PYTORCH_NPU_ALLOC_CONF": env.get("PYTORCH_NPU_ALLOC_CONF", "expandable_segments:True")}
+    return {}
+
+
+def visible_devices(device: DeviceKind, environ: dict[str, str] | None = None) -> list[int] | None:
+    """Device indices this process may use, from ASCEND_RT_VISIBLE_DEVICES / CUDA_VISIBLE_DEVICES (None: all)."""
+    env = os.environ if environ is None else environ
+    name = VISIBLE_DEVICES_ENV[device]
+    if name is None or not env.get(name, "").strip():
+        return None
+    return [int(x) for x in env[name].split(",") if x.strip()]
+
+
+def autocast_dtype(device: DeviceKind):
+    """bf16 autocast where the device computes it natively (NPU, CUDA, and CPU for correctness)."""
+    import torch
+
+    return torch.bfloat16

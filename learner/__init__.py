@@ -1,0 +1,1 @@
+"""GRPO learner: the trainer, and the driver of the sample -> score -> update -> publish loop."""

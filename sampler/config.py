@@ -1,0 +1,60 @@
+"""Sampler configuration: where it listens and how its vLLM engine is built."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from dgrpo.common.config import StrictConfig
+
+
+class SamplerConfig(StrictConfig):
+    """One sampler replica (vLLM / vllm-ascend engine behind gRPC)."""
+
+    host: str = "0.0.0.0"
+    """Address the gRPC server binds."""
+    port: int = Field(default=50051, ge=0, le=65535)
+    """gRPC port (0: pick a free one and print it)."""
+    metrics_port: int | None = Field(default=None, ge=0, le=65535)
+    """Prometheus metrics HTTP port (unset: no metrics server; 0: pick a free one)."""
+    replica_id: str | None = None
+    """Name of this replica in Info, logs and metrics (unset: hostname:port)."""
+    addresses: list[str] = Field(default_factory=lambda: ["localhost:50051"])
+    """Where clients (the learner, `dgrpo up`) find the replicas: host:port entries, or one `dns:///name:port`
+    that resolves to every replica (docker compose --scale)."""
+
+    # --- engine (vLLM EngineArgs; same names as `vllm serve`) ---
+    max_model_len: int = Field(default=2048, ge=16)
+    """Longest prompt + completion in tokens; bounds the KV cache per sequence."""
+    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
+    """Share of device memory for weights + KV cache (a dedicated sampler device can go to 0.9)."""
+    tensor_parallel_size: int = Field(default=1, ge=1)
+    """Devices the model is split over (tensor parallel)."""
+    enable_chunked_prefill: bool | None = None
+    """Split long prefills into chunks (lower memory peak on long prompts, slower on short). Unset: vLLM default."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV cache of a shared prefix — the n samples of a GRPO group share their prompt."""
+    max_num_seqs: int = Field(default=256, ge=1)
+    """Sequences the engine runs at once (continuous batching width)."""
+    max_num_batched_tokens: int | None = Field(default=None, ge=16)
+    """Token budget of one engine step (unset: vLLM default)."""
+    attention_backend: str | None = None
+    """vLLM attention backend name (e.g. FLASH_ATTN, TRITON_ATTN; unset: vLLM picks per device)."""
+    enforce_eager: bool = False
+    """Skip graph capture / compilation: much faster start (~25 s vs ~2.5 min on CPU), slower decode."""
+    seed: int = 0
+    """Engine seed."""
+    logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = "processed_logprobs"
+    """Which distribution the returned logprobs come from. processed: after temperature (and top-k/top-p), the
+    distribution tokens are drawn from, which the learner reproduces; raw: the model's own softmax."""
+    kv_cache_space_gib: float | None = Field(default=None, gt=0)
+    """CPU backend only: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE; default 1 GiB here)."""
+
+    # --- serving ---
+    max_prompts_per_request: int = Field(default=4096, ge=1)
+    """Largest batch one Generate call may carry."""
+    weight_wait_timeout_s: float = Field(default=120.0, gt=0)
+    """Default bound on waiting for `min_weight_version` before answering DEADLINE_EXCEEDED."""
+    shutdown_grace_s: float = Field(default=10.0, ge=0)
+    """On SIGTERM: seconds in-flight streams may finish before they are aborted."""
