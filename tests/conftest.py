@@ -112,7 +112,7 @@ def service_factory():
 
     yield start
     for svc in started:
-        svc.kill() if svc.proc.poll() is None and svc.stop() is None else None
+        svc.stop(timeout=30)
 
 
 @pytest.fixture(name="free_port")
