@@ -23,9 +23,10 @@ CHANNEL_OPTIONS = [
 ]
 
 
-def add_standard_services(server: grpc.aio.Server, service_names: list[str], serving: bool = True):
-    """Register health (overall "" and each service) and reflection; returns the health servicer."""
-    health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+def add_standard_services(server: grpc.aio.Server, service_names: list[str]):
+    """Register health and reflection; returns the health servicer. Call `set_health` before serving:
+    a service reports NOT_SERVING until it has loaded what it needs."""
+    health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     return health_servicer
@@ -45,15 +46,19 @@ async def serve_until_signal(
     service_names: list[str],
     *,
     grace: float,
+    on_signal: Callable[[], Awaitable[None]] | None = None,
     on_stop: Callable[[], Awaitable[None]] | None = None,
 ) -> None:
-    """Run until SIGTERM/SIGINT; then NOT_SERVING, stop(grace), and `on_stop` (e.g. engine shutdown)."""
+    """Run until SIGTERM/SIGINT; then NOT_SERVING, `on_signal` (e.g. let in-flight work drain),
+    server.stop(grace) (cancels what is still running after `grace`), and `on_stop` (e.g. engine shutdown)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     await set_health(health_servicer, service_names, serving=False)
+    if on_signal is not None:
+        await on_signal()
     await server.stop(grace)
     if on_stop is not None:
         await on_stop()
