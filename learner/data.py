@@ -1,0 +1,214 @@
+"""Prompt data for the learner: parquet / jsonl files -> tokenized prompts, shuffled per epoch, resumable.
+
+A row holds a prompt (plain text, or chat messages `[{role, content}, ...]`) in `data.prompt_key`; every other
+column travels untouched with the prompt to the reward functions (e.g. `answer`). The chat template is applied
+once, here, so samplers receive token ids and the learner trains on exactly the tokens that were sampled.
+Prompts longer than `max_prompt_length` are dropped or left-truncated, and counted either way.
+
+`datasets` is imported lazily: the config (and `dgrpo learner --help`) must not pay for it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field
+
+from dgrpo.common.config import ConfigError, StrictConfig
+
+log = logging.getLogger(__name__)
+
+FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json"}
+
+
+class DataConfig(StrictConfig):
+    """Training and validation prompts."""
+
+    train_files: list[str] = Field(default_factory=list)
+    """Training data: local .parquet or .jsonl files (one format per list), read with `datasets`."""
+    val_files: list[str] = Field(default_factory=list)
+    """Validation data, same format; scored greedily every `trainer.test_freq` steps (empty: no validation)."""
+    prompt_key: str = "prompt"
+    """Column holding the prompt: a string, or chat messages (a list of {role, content})."""
+    apply_chat_template: bool = True
+    """Render string prompts as one user turn with the model's chat template (chat messages always are)."""
+    max_prompt_length: int = Field(default=512, ge=1)
+    """Longest prompt in tokens, after the chat template."""
+    overlong_prompts: Literal["drop", "truncate"] = "drop"
+    """What happens to longer prompts: drop the row, or keep its last `max_prompt_length` tokens (the end holds
+    the question and the generation prompt). Either way the count is logged and reported in the metrics."""
+    train_batch_size: int = Field(default=8, ge=1)
+    """Prompts per training step (each sampled `rollout.n` times)."""
+    shuffle: bool = True
+    """Shuffle the training prompts each epoch (a new permutation per epoch, seeded)."""
+    seed: int = 0
+    """Seed of the shuffle: the same seed gives the same order, epoch by epoch, across runs and resumes."""
+    max_train_samples: int | None = Field(default=None, ge=1)
+    """Use only the first N training rows (unset: all)."""
+    max_val_samples: int | None = Field(default=None, ge=1)
+    """Use only the first N validation rows (unset: all)."""
+
+
+@dataclass(frozen=True)
+class PromptRecord:
+    """One dataset row, ready to sample and to score."""
+
+    row: int
+    """Row index in the (concatenated) files: a stable identity for logs and resume checks."""
+    token_ids: tuple[int, ...]
+    """Prompt tokens after the chat template (and truncation): what the sampler and the learner see."""
+    prompt: str | list[dict[str, str]]
+    """The prompt as the dataset holds it, for the reward functions."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Every other column of the row (e.g. `answer`)."""
+
+
+@dataclass
+class LoadStats:
+    rows: int = 0
+    kept: int = 0
+    dropped_overlong: int = 0
+    truncated_overlong: int = 0
+
+
+def check_files(cfg: DataConfig, prefix: str = "learner.data") -> None:
+    """Fail at start, naming the key, when a data file is missing or of an unknown format."""
+    if not cfg.train_files:
+        raise ConfigError(f"{prefix}.train_files is empty: give at least one .parquet or .jsonl file")
+    for key in ("train_files", "val_files"):
+        files = getattr(cfg, key)
+        formats = set()
+        for i, name in enumerate(files):
+            path = Path(name).expanduser()
+            if path.suffix not in FORMATS:
+                raise ConfigError(f"{prefix}.{key}[{i}]={name!r}: unknown format (use .parquet, .jsonl or .json)")
+            if not path.is_file():
+                raise ConfigError(f"{prefix}.{key}[{i}]={name!r}: no such file")
+            formats.add(FORMATS[path.suffix])
+        if len(formats) > 1:
+            raise ConfigError(f"{prefix}.{key}={files!r}: mixes parquet and json files; use one format per list")
+
+
+def _jsonable(value: Any) -> Any:
+    """Extra columns go to the rewarder as a protobuf Struct: keep JSON types, stringify the rest."""
+    try:
+        json.dumps(value)
+        return value
+    except TypeError:
+        return json.loads(json.dumps(value, default=str))
+
+
+def _as_messages(value: Any, row: int, key: str) -> list[dict[str, str]] | None:
+    if isinstance(value, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in value):
+        return [{"role": str(m["role"]), "content": str(m["content"])} for m in value]
+    if isinstance(value, str):
+        return None
+    raise ValueError(f"row {row}: column {key!r} is neither text nor chat messages [{{role, content}}]: {value!r}")
+
+
+def tokenize_prompt(prompt: str | list[dict[str, str]], tokenizer, apply_chat_template: bool) -> list[int]:
+    """The token ids the sampler receives: chat messages (or text as one user turn) through the chat template."""
+    if isinstance(prompt, str) and not apply_chat_template:
+        return list(tokenizer(prompt).input_ids)
+    messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+    # Render to text, then tokenize without special tokens: the template already holds them.
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return list(tokenizer(text, add_special_tokens=False).input_ids)
+
+
+def load_prompts(
+    files: list[str], cfg: DataConfig, tokenizer, max_samples: int | None = None
+) -> tuple[list[PromptRecord], LoadStats]:
+    """Read, template, tokenize and length-filter the rows of `files`."""
+    import datasets
+
+    if not files:
+        return [], LoadStats()
+    builder = FORMATS[Path(files[0]).suffix]
+    ds = datasets.load_dataset(builder, data_files=[str(Path(f).expanduser()) for f in files], split="train")
+    if cfg.prompt_key not in ds.column_names:
+        raise ConfigError(
+            f"learner.data.prompt_key={cfg.prompt_key!r}: no such column in {files} (columns: {ds.column_names})"
+        )
+    if max_samples is not None:
+        ds = ds.select(range(min(max_samples, len(ds))))
+    stats = LoadStats(rows=len(ds))
+    records: list[PromptRecord] = []
+    for row, example in enumerate(ds):
+        raw = example[cfg.prompt_key]
+        messages = _as_messages(raw, row, cfg.prompt_key)
+        prompt = messages if messages is not None else raw
+        ids = tokenize_prompt(prompt, tokenizer, cfg.apply_chat_template)
+        if len(ids) > cfg.max_prompt_length:
+            if cfg.overlong_prompts == "drop":
+                stats.dropped_overlong += 1
+                continue
+            ids = ids[-cfg.max_prompt_length :]
+            stats.truncated_overlong += 1
+        extra = {k: _jsonable(v) for k, v in example.items() if k != cfg.prompt_key}
+        records.append(PromptRecord(row=row, token_ids=tuple(ids), prompt=prompt, extra=extra))
+    stats.kept = len(records)
+    if stats.dropped_overlong or stats.truncated_overlong:
+        log.warning(
+            "%s: %d of %d prompts exceed max_prompt_length=%d (%s)", files, stats.dropped_overlong
+            + stats.truncated_overlong, stats.rows, cfg.max_prompt_length, cfg.overlong_prompts,
+        )
+    if not records:
+        raise ConfigError(
+            f"learner.data: no prompt of {files} fits max_prompt_length={cfg.max_prompt_length} "
+            f"({stats.dropped_overlong} dropped)"
+        )
+    return records, stats
+
+
+class PromptStream:
+    """An endless, seeded, epoch-by-epoch stream of prompt batches with a resumable position.
+
+    Epoch e visits every record once in the order `permutation(seed + e)`; a batch that crosses an epoch boundary
+    continues into the next epoch, so every batch is full. The position (epoch, index) is all the state there is.
+    """
+
+    def __init__(self, records: list[PromptRecord], batch_size: int, *, seed: int = 0, shuffle: bool = True):
+        if not records:
+            raise ValueError("PromptStream needs at least one record")
+        self.records, self.batch_size, self.seed, self.shuffle = records, batch_size, seed, shuffle
+        self.epoch, self.index = 0, 0
+        self._order = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> list[int]:
+        import numpy as np
+
+        if not self.shuffle:
+            return list(range(len(self.records)))
+        return np.random.default_rng([self.seed, epoch]).permutation(len(self.records)).tolist()
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return math.ceil(len(self.records) / self.batch_size)
+
+    def next_batch(self) -> list[PromptRecord]:
+        batch = []
+        while len(batch) < self.batch_size:
+            if self.index == len(self._order):
+                self.epoch, self.index = self.epoch + 1, 0
+                self._order = self._permutation(self.epoch)
+            batch.append(self.records[self._order[self.index]])
+            self.index += 1
+        return batch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "index": self.index, "seed": self.seed, "size": len(self.records)}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if state.get("size") != len(self.records) or state.get("seed") != self.seed:
+            raise ValueError(
+                f"data position {state} does not match this dataset (size {len(self.records)}, seed {self.seed}):"
+                " resuming would replay a different order"
+            )
+        self.epoch, self.index = int(state["epoch"]), int(state["index"])
+        self._order = self._permutation(self.epoch)
