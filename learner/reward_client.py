@@ -1,0 +1,137 @@
+"""The learner's client of the reward service: one Score call per arriving group.
+
+Each group is sent as soon as the sampler streams it, so scoring overlaps the generation of the other groups. The
+rewarder may go away and come back while training runs (a restart, a hot swap to a new process): calls wait for the
+channel to be ready (`wait_for_ready`) and are retried on UNAVAILABLE with backoff, bounded by
+`rollout.reward_timeout_s` per group. Requests the rewarder rejects (INVALID_ARGUMENT, FAILED_PRECONDITION) stop the
+run with the rewarder's message: retrying the same input cannot help.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from google.protobuf import struct_pb2
+
+from dgrpo.learner.rollout import CLIENT_OPTIONS
+from dgrpo.v1 import rewarder_pb2, rewarder_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+RETRY_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
+               grpc.StatusCode.INTERNAL, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED}
+
+
+class RewardError(RuntimeError):
+    """The rewarder rejected a request, or did not answer within `rollout.reward_timeout_s`."""
+
+
+@dataclass
+class GroupReward:
+    """Scores of one group's completions, in sample order."""
+
+    rewards: list[float]
+    """Reward per completion; for a completion whose scoring failed, the mean of the group's valid rewards."""
+    valid: list[bool]
+    """False where the rewarder reported ERROR: such a completion is kept out of the loss."""
+    breakdown: list[dict[str, float]]
+    """Per-function values of each completion (a function that returned None is absent)."""
+    spec: str
+    """The reward specification that produced the scores: name@version#hash-prefix."""
+    errors: list[str] = field(default_factory=list)
+    """Messages of the failed completions."""
+    retries: int = 0
+    """Score calls retried for this group (rewarder away or restarting)."""
+
+
+def to_struct(extra: dict[str, Any]) -> struct_pb2.Struct:
+    s = struct_pb2.Struct()
+    s.update(extra)
+    return s
+
+
+def score_group(prompt_id: str, prompt: str | list[dict[str, str]], completions: Sequence[str],
+                extra: dict[str, Any]) -> rewarder_pb2.ScoreGroup:
+    """The ScoreGroup for one prompt: text prompts stay text, chat prompts go as messages (TRL's two formats)."""
+    group = rewarder_pb2.ScoreGroup(prompt_id=prompt_id, completions=list(completions), extra=to_struct(extra))
+    if isinstance(prompt, str):
+        group.text = prompt
+    else:
+        group.chat.messages.extend(rewarder_pb2.RewardChatMessage(role=m["role"], content=m["content"])
+                                   for m in prompt)
+    return group
+
+
+def _spec_name(spec: rewarder_pb2.RewardSpecRef) -> str:
+    return f"{spec.name}@{spec.version}#{spec.content_hash[:8]}"
+
+
+class RewardClient:
+    """Scores groups against one rewarder address, surviving its restarts."""
+
+    def __init__(self, address: str, *, timeout_s: float, retry_backoff_s: float = 0.5, max_backoff_s: float = 5.0):
+        self.address, self.timeout_s = address, timeout_s
+        self.retry_backoff_s, self.max_backoff_s = retry_backoff_s, max_backoff_s
+        self._channel = grpc.aio.insecure_channel(address, options=CLIENT_OPTIONS)
+        self._stub = rewarder_pb2_grpc.RewarderStub(self._channel)
+
+    async def info(self, timeout: float = 10.0) -> rewarder_pb2.RewarderInfo:
+        return await self._stub.Info(rewarder_pb2.RewarderInfoRequest(), timeout=timeout, wait_for_ready=True)
+
+    async def score(self, group: rewarder_pb2.ScoreGroup) -> GroupReward:
+        """Score one group; retried until `timeout_s` while the rewarder is away."""
+        deadline = time.monotonic() + self.timeout_s
+        delay, retries = self.retry_backoff_s, 0
+        request = rewarder_pb2.ScoreRequest(groups=[group], group_size=len(group.completions))
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RewardError(f"rewarder {self.address} did not score group {group.prompt_id!r} within "
+                                  f"rollout.reward_timeout_s={self.timeout_s:g}s ({retries} retries)")
+            try:
+                # wait_for_ready: while the rewarder restarts the call waits for it instead of failing at once.
+                response = await self._stub.Score(request, timeout=remaining, wait_for_ready=True)
+                break
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    continue  # the loop's deadline check raises with the full story
+                if e.code() not in RETRY_CODES:
+                    raise RewardError(f"rewarder {self.address} rejected group {group.prompt_id!r}: "
+                                      f"{e.code().name}: {e.details()}") from None
+                retries += 1
+                log.warning("rewarder %s: %s (%s); retrying group %r in %.1fs", self.address, e.code().name,
+                            e.details(), group.prompt_id, delay)
+                await asyncio.sleep(min(delay, max(deadline - time.monotonic(), 0)))
+                delay = min(delay * 2, self.max_backoff_s)
+        return self._to_reward(group, response, retries)
+
+    @staticmethod
+    def _to_reward(group: rewarder_pb2.ScoreGroup, response: rewarder_pb2.ScoreResponse, retries: int) -> GroupReward:
+        if len(response.groups) != 1 or response.groups[0].prompt_id != group.prompt_id:
+            raise RewardError(f"rewarder answered {[g.prompt_id for g in response.groups]} for {group.prompt_id!r}")
+        scores = response.groups[0].scores
+        if len(scores) != len(group.completions):
+            raise RewardError(f"rewarder sent {len(scores)} scores for {len(group.completions)} completions")
+        valid = [s.status == rewarder_pb2.SCORE_STATUS_OK and math.isfinite(s.reward) for s in scores]
+        good = [s.reward for s, ok in zip(scores, valid) if ok]
+        # A failed completion takes the group mean: it then has advantage ~0 and, being masked, no effect on
+        # the other completions' advantages beyond keeping the group size fixed.
+        fill = sum(good) / len(good) if good else 0.0
+        return GroupReward(
+            rewards=[s.reward if ok else fill for s, ok in zip(scores, valid)],
+            valid=valid,
+            breakdown=[dict(s.breakdown) for s in scores],
+            spec=_spec_name(response.spec),
+            errors=[s.message for s, ok in zip(scores, valid) if not ok],
+            retries=retries,
+        )
+
+    async def close(self) -> None:
+        await self._channel.close()
