@@ -1,0 +1,144 @@
+"""Configuration of the training side of the learner: the actor, its optimizer, the GRPO algorithm, checkpoints.
+
+Kept apart from learner/actor.py and learner/grpo.py on purpose: the CLI validates the whole config before
+it imports torch (`--help` and config errors answer in about a second), so this module imports only pydantic.
+`dgrpo.learner.config.LearnerConfig` assembles these sections as `actor`, `optim`, `algorithm`, `checkpoint`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from dgrpo.common.config import StrictConfig
+
+LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+AdvantageScale = Literal["group", "batch", "none"]
+
+
+class AlgorithmConfig(StrictConfig):
+    """The GRPO objective: advantages, clipped surrogate, KL to the reference, off-policy corrections."""
+
+    adv_scale: AdvantageScale = "group"
+    """Advantage normalisation. group: (r - group mean) / (group std + eps) (DeepSeekMath GRPO); batch: the
+    group mean, divided by the std of the whole batch; none: r - group mean (Dr. GRPO, no std division)."""
+    adv_eps: float = Field(default=1e-6, gt=0)
+    """Added to the std before dividing, so a group whose rewards are all equal gets advantage 0, not NaN."""
+    beta: float = Field(default=0.0, ge=0)
+    """Weight of the k3 KL-to-reference term in the loss (TRL's beta). 0 skips the frozen reference model
+    entirely (no memory, no forward), as DAPO and Dr. GRPO do; TRL's former default was 0.04."""
+    clip_low: float = Field(default=0.2, ge=0, lt=1)
+    """PPO clip below: the ratio is clipped at 1 - clip_low."""
+    clip_high: float = Field(default=0.2, ge=0)
+    """PPO clip above: the ratio is clipped at 1 + clip_high. DAPO's clip-higher uses 0.28 (> clip_low) to
+    keep exploring low-probability tokens."""
+    loss_agg: LossAgg = "token-mean"
+    """How token losses become one number (verl's loss_agg_mode). token-mean: sum over every completion token
+    of the mini-batch / their count (DAPO); seq-mean-token-mean: mean per sequence, then over sequences
+    (original GRPO); seq-mean-token-sum-norm: sum per sequence / max_response_length, then mean (Dr. GRPO)."""
+    old_logprobs: Literal["sampler", "recompute"] = "recompute"
+    """The behaviour policy of the PPO ratio. recompute: the learner's own logprobs before the update (one
+    extra no-grad forward when a step has more than one optimizer update; skipped when it has one, since the
+    ratio is then exactly 1 at the first update); sampler: the sampler's logprobs as sent with each token."""
+    tis_cap: float | None = Field(default=None, gt=0)
+    """Truncated importance sampling of the sampler/learner mismatch (Yao et al. 2025, "Your efficient RL
+    framework secretly brings you off-policy RL training"; verl's tis_imp_ratio_cap): each token's policy
+    loss is weighted by min(exp(old_logp - sampler_logp), tis_cap). Only with old_logprobs=recompute.
+    Null: off. 2.0 is the note's choice."""
+    mask_truncated: bool = False
+    """Drop completions that hit max_tokens (finish_reason length) from the loss (DAPO's overlong filtering):
+    a cut-off answer is neither right nor wrong."""
+
+    @model_validator(mode="after")
+    def _check(self) -> AlgorithmConfig:
+        if self.tis_cap is not None and self.old_logprobs != "recompute":
+            raise ValueError(
+                "tis_cap needs old_logprobs='recompute' (with old_logprobs='sampler' the PPO ratio is already "
+                "taken against the sampler)"
+            )
+        return self
+
+
+class OptimConfig(StrictConfig):
+    """AdamW with warmup and a schedule. The schedule advances once per training step (verl's convention)."""
+
+    lr: float = Field(default=1e-6, gt=0)
+    """Peak learning rate."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW beta1, beta2 (the seeds use 0.9, 0.99)."""
+    eps: float = Field(default=1e-8, gt=0)
+    """AdamW epsilon."""
+    weight_decay: float = Field(default=0.01, ge=0)
+    """AdamW decoupled weight decay (applied to every parameter)."""
+    warmup_steps: int = Field(default=0, ge=0)
+    """Training steps of linear warmup from 0 to lr."""
+    schedule: Literal["constant", "cosine", "linear"] = "constant"
+    """After warmup: keep lr, or decay it (cosine / linear) to min_lr_ratio * lr at the last training step."""
+    min_lr_ratio: float = Field(default=0.0, ge=0, le=1)
+    """Floor of the decaying schedules, as a fraction of lr."""
+    grad_clip: float | None = Field(default=1.0, gt=0)
+    """Clip the global gradient norm to this value before each optimizer update; null: no clipping (the
+    norm is still measured and logged)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> OptimConfig:
+        for i, b in enumerate(self.betas):
+            if not 0 <= b < 1:
+                raise ValueError(f"betas[{i}]={b} must be in [0, 1)")
+        return self
+
+
+class ActorConfig(StrictConfig):
+    """The policy being trained: batching of the update, precision, memory savers, data parallelism."""
+
+    ppo_mini_batch_size: int = Field(default=8, ge=1)
+    """Prompts (groups) per optimizer update, over all data-parallel ranks; data.train_batch_size must be a
+    multiple of it. Equal to it: one update per step (on-policy)."""
+    ppo_epochs: int = Field(default=1, ge=1)
+    """Passes over each step's rollouts."""
+    micro_batch_size_per_device: int = Field(default=4, ge=1)
+    """Sequences per forward/backward on one device; gradients are accumulated over the micro-batches of a
+    mini-batch. Ignored when use_dynamic_bsz is on."""
+    use_dynamic_bsz: bool = False
+    """Pack micro-batches by a token budget (max_tokens_per_micro_batch) instead of a sequence count, with
+    the padding removed: sequences are concatenated into one row and attend only within themselves."""
+    max_tokens_per_micro_batch: int = Field(default=4096, ge=16)
+    """Token budget of one packed micro-batch per device (prompt + completion tokens), with use_dynamic_bsz.
+    A single longer sequence still gets a micro-batch of its own."""
+    logprob_max_tokens_per_micro_batch: int | None = Field(default=None, ge=16)
+    """Token budget of the no-grad forwards (reference and old-policy logprobs), which need no activations
+    for backward and can take more. Null: 2x max_tokens_per_micro_batch (packed) or 2x the micro-batch size."""
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    """Autocast dtype of forwards and backwards (master weights and optimizer states stay fp32). bfloat16 is
+    used where the device computes it (NPU, CUDA, CPU); float32 turns autocast off."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations during backward: less memory, about 30% more compute."""
+    compute_entropy: bool = True
+    """Log the mean token entropy of the policy (one extra pass over the logits per micro-batch, no grad)."""
+    balance_batch: bool = True
+    """With several data-parallel ranks, deal sequences so each rank gets about the same number of tokens
+    (verl's balance_batch) instead of contiguous slices."""
+    fsdp_reshard_after_forward: bool = True
+    """FSDP2: free the gathered parameters after forward (ZeRO-3, least memory) or keep them until backward
+    (ZeRO-2, less communication)."""
+
+
+class CheckpointConfig(StrictConfig):
+    """Checkpoints for resuming, and the export to a Hugging Face folder for deployment."""
+
+    dir: str = "checkpoints"
+    """Folder holding step_<N>/ checkpoints (created if missing)."""
+    save_freq: int = Field(default=0, ge=0)
+    """Save every this many training steps (and at the last step); 0 saves only at the end."""
+    contents: list[Literal["model", "optimizer", "extra"]] = ["model", "optimizer", "extra"]
+    """What a checkpoint holds. model: the policy weights; optimizer: AdamW state and the lr scheduler;
+    extra: RNG states, the step and the data position (what resuming exactly needs)."""
+    keep_last: int | None = Field(default=2, ge=1)
+    """Keep only the newest this many checkpoints; null keeps all."""
+    resume: Literal["auto", "never"] | str = "auto"
+    """auto: continue from the newest complete checkpoint in dir if there is one; never: start fresh; or the
+    path of a step_<N> folder to resume from."""
+    export_dir: str | None = None
+    """At the end of training, write the policy as a Hugging Face folder here (config, tokenizer, chat
+    template, safetensors in model.dtype) that transformers and `vllm serve` load. Null: no export."""

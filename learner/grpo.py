@@ -1,0 +1,164 @@
+"""The GRPO math as small pure tensor functions: advantages, KL, the clipped policy loss, aggregation.
+
+Notation (DeepSeekMath, Shao et al. 2024, "GRPO"): a prompt q has a group of G completions o_1..o_G with
+scalar rewards r_1..r_G. Token t of o_i has the policy's logprob `logp`, the behaviour policy's `old_logp`
+(the policy before this step's updates, or the sampler's), and the frozen reference's `ref_logp`.
+Shapes: B sequences, T completion tokens (right-padded; `mask` is 1 on real tokens).
+
+Everything here is device-agnostic and free of model code, so reviewers can check it against the papers
+and tests/learner/test_grpo_math.py checks it against hand-computed numbers.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+Scale = Literal["group", "batch", "none"]
+Agg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+# exp() of a log-ratio beyond this overflows or dominates the batch; verl clamps the same way.
+_LOG_RATIO_CLAMP = 20.0
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, scale: Scale = "group", eps: float = 1e-6) -> torch.Tensor:
+    """Group-relative advantages; `rewards` is [N*G] with each group's G rewards contiguous.
+
+    group (DeepSeekMath GRPO):  A_i = (r_i - mean(r_group)) / (std(r_group) + eps)
+    batch (as verl/TRL "batch"): A_i = (r_i - mean(r_group)) / (std(r_all) + eps)
+    none  (Dr. GRPO, Liu et al. 2025): A_i = r_i - mean(r_group)
+    std is Bessel-corrected (torch.std's default, as TRL and verl). A group whose rewards are all equal gets
+    exactly A = 0 whatever the scale (no signal; counted by `zero_std_fraction`).
+    """
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be 1-D, got shape {tuple(rewards.shape)}")
+    if group_size < 2 or rewards.numel() % group_size:
+        raise ValueError(f"{rewards.numel()} rewards do not form groups of {group_size} (group size must be >= 2)")
+    r = rewards.float().view(-1, group_size)  # [N, G]
+    mean = r.mean(dim=1, keepdim=True)  # [N, 1]
+    centered = r - mean  # [N, G]
+    if scale == "group":
+        adv = centered / (r.std(dim=1, keepdim=True) + eps)
+    elif scale == "batch":
+        adv = centered / (r.std() + eps)
+    elif scale == "none":
+        adv = centered
+    else:
+        raise ValueError(f"scale {scale!r} is not one of group, batch, none")
+    flat = (r == r[:, :1]).all(dim=1, keepdim=True)  # [N, 1] all rewards equal
+    return torch.where(flat, torch.zeros_like(adv), adv).view(-1)  # [N*G]
+
+
+def zero_std_fraction(rewards: torch.Tensor, group_size: int) -> float:
+    """Fraction of groups whose rewards are all equal (advantage 0: no learning signal)."""
+    r = rewards.view(-1, group_size)  # [N, G]
+    return (r == r[:, :1]).all(dim=1).float().mean().item()
+
+
+def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """Per-token KL(policy || reference), k3 estimator (Schulman, "Approximating KL Divergence", 2020):
+
+    kl = exp(ref_logp - logp) - (ref_logp - logp) - 1    (>= 0, unbiased, low variance; as in GRPO)
+    """
+    d = (ref_logp - logp).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)  # [B, T]
+    return torch.exp(d) - d - 1
+
+
+def mask_truncated(mask: torch.Tensor, truncated: torch.Tensor) -> torch.Tensor:
+    """Zero the mask of completions that hit max_tokens (DAPO's overlong filtering); `truncated` is [B] bool."""
+    return mask * (~truncated.bool()).unsqueeze(1).to(mask.dtype)  # [B, T]
+
+
+def truncated_is_weights(old_logp: torch.Tensor, sampler_logp: torch.Tensor, cap: float = 2.0) -> torch.Tensor:
+    """Token-level truncated importance weights for the sampler/learner mismatch (TIS):
+
+    w_t = min(exp(old_logp_t - sampler_logp_t), cap)
+    Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL training" (verl's
+    tis_imp_ratio_cap): tokens were drawn by the sampler's numerics, the gradient is taken under the
+    learner's; w corrects for that and the cap bounds its variance. No gradient flows through w.
+    """
+    d = (old_logp - sampler_logp).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)  # [B, T]
+    return torch.exp(d).clamp(max=cap).detach()
+
+
+def aggregate(values: torch.Tensor, mask: torch.Tensor, agg: Agg = "token-mean", max_response_length: int | None = None):
+    """Token values [B, T] -> one scalar (verl's loss_agg_mode names).
+
+    token-mean:               sum_{b,t} m*v / sum_{b,t} m                  (DAPO; every token weighs the same)
+    seq-mean-token-mean:      mean_b [ sum_t m*v / sum_t m ]               (original GRPO)
+    seq-mean-token-sum-norm:  mean_b [ sum_t m*v / max_response_length ]   (Dr. GRPO; no length bias)
+    Sequences with no unmasked token (e.g. all truncated) are left out of the seq means; all-masked input gives 0.
+    """
+    m = mask.to(values.dtype)
+    if agg == "token-mean":
+        return (values * m).sum() / m.sum().clamp(min=1)
+    per_seq_tokens = m.sum(dim=1)  # [B]
+    live = (per_seq_tokens > 0).to(values.dtype)  # [B]
+    if agg == "seq-mean-token-mean":
+        per_seq = (values * m).sum(dim=1) / per_seq_tokens.clamp(min=1)  # [B]
+    elif agg == "seq-mean-token-sum-norm":
+        if max_response_length is None:
+            raise ValueError("agg 'seq-mean-token-sum-norm' needs max_response_length")
+        per_seq = (values * m).sum(dim=1) / max_response_length  # [B]
+    else:
+        raise ValueError(f"agg {agg!r} is not one of token-mean, seq-mean-token-mean, seq-mean-token-sum-norm")
+    return (per_seq * live).sum() / live.sum().clamp(min=1)
+
+
+def policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    ref_logp: torch.Tensor | None = None,
+    beta: float = 0.0,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    agg: Agg = "token-mean",
+    max_response_length: int | None = None,
+    is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO-clip surrogate with asymmetric clipping, plus the k3 KL to the reference. All [B, T] but A [B].
+
+    ratio = exp(logp - old_logp)
+    pg    = max(-A * ratio, -A * clamp(ratio, 1 - clip_low, 1 + clip_high))   (PPO, Schulman et al. 2017;
+            clip_high > clip_low is DAPO's clip-higher, Yu et al. 2025)
+    pg   *= is_weights, when given (truncated IS of the sampler mismatch, `truncated_is_weights`)
+    loss  = aggregate(pg + beta * kl_k3(logp, ref_logp), mask, agg)          (GRPO; KL in the loss, not reward)
+
+    stats (detached scalars, token means over the mask): clip_frac_low (ratio < 1 - clip_low with A < 0: the
+    clip stops pushing the token further down), clip_frac_high (ratio > 1 + clip_high with A > 0), ratio,
+    kl (0 without a reference), pg_loss (pg alone, aggregated like the loss).
+    """
+    adv = advantages.to(logp.dtype).unsqueeze(1)  # [B, 1]
+    log_ratio = (logp - old_logp).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)  # [B, T]
+    ratio = torch.exp(log_ratio)  # [B, T]
+    unclipped = -adv * ratio  # [B, T]
+    clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)  # [B, T]
+    pg = torch.maximum(unclipped, clipped)  # [B, T]
+    if is_weights is not None:
+        pg = pg * is_weights
+    token_loss = pg
+    kl = None
+    if ref_logp is not None:
+        kl = kl_k3(logp, ref_logp)  # [B, T]
+        if beta:
+            token_loss = pg + beta * kl
+    loss = aggregate(token_loss, mask, agg, max_response_length)
+
+    with torch.no_grad():
+        m = mask.to(logp.dtype)
+
+        def token_mean(x: torch.Tensor) -> torch.Tensor:
+            return (x.to(m.dtype) * m).sum() / m.sum().clamp(min=1)
+
+        stats = {
+            "clip_frac_low": token_mean((ratio < 1.0 - clip_low) & (adv < 0)),
+            "clip_frac_high": token_mean((ratio > 1.0 + clip_high) & (adv > 0)),
+            "ratio": token_mean(ratio),
+            "kl": token_mean(kl) if kl is not None else torch.zeros((), device=logp.device),
+            "pg_loss": aggregate(pg, mask, agg, max_response_length).detach(),
+        }
+    return loss, stats
