@@ -32,4 +32,10 @@ class StackConfig(StrictConfig):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> StackConfig:
+        prompt, response = self.learner.data.max_prompt_length, self.learner.rollout.max_response_length
+        if prompt + response > self.sampler.max_model_len:
+            raise ValueError(
+                f"learner.data.max_prompt_length={prompt} + learner.rollout.max_response_length={response} exceeds "
+                f"sampler.max_model_len={self.sampler.max_model_len}: the samplers could not hold a full sequence"
+            )
         return self

@@ -59,7 +59,9 @@ def _format_errors(err: ValidationError, data: dict) -> str:
     lines = []
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"]) or "(root)"
-        if e["type"] == "extra_forbidden":
+        if e["type"] == "value_error" and isinstance(e.get("input"), dict):
+            lines.append(f"{key}: {e['msg'].removeprefix('Value error, ')}")  # a section-level check names its keys
+        elif e["type"] == "extra_forbidden":
             lines.append(f"{key}: unknown key (value {e['input']!r})")
         else:
             lines.append(f"{key}={e.get('input')!r}: {e['msg']}")

@@ -1,9 +1,77 @@
-"""Learner configuration."""
+"""Learner configuration: the sections of `learner:` assembled, and the checks that span them.
+
+Each section lives next to its component (data.py, rollout.py, actor_config.py); the trainer section is here because
+it belongs to the loop, and loop.py imports torch while the config must validate before torch is imported
+(`dgrpo learner --help` and config errors answer in about a second). Checks that need the sampler section as well
+(prompt + response must fit the sampler's context) are in cli/stack.py's `_cross_checks`.
+"""
 
 from __future__ import annotations
 
+from typing import Literal
+
+from pydantic import Field, model_validator
+
 from dgrpo.common.config import StrictConfig
+from dgrpo.learner.actor_config import ActorConfig, AlgorithmConfig, CheckpointConfig, OptimConfig
+from dgrpo.learner.data import DataConfig
+from dgrpo.learner.rollout import RolloutConfig
+
+Logger = Literal["console", "jsonl", "tensorboard", "wandb"]
+
+
+class TrainerConfig(StrictConfig):
+    """How long to train, validation, logging, and the learner's control service."""
+
+    total_epochs: int = Field(default=1, ge=1)
+    """Passes over the training prompts (used when total_training_steps is unset)."""
+    total_training_steps: int | None = Field(default=None, ge=1)
+    """Training steps to run; overrides total_epochs (verl's convention)."""
+    test_freq: int = Field(default=0, ge=0)
+    """Validate on data.val_files every this many steps, and after the last step (0: never)."""
+    val_before_train: bool = False
+    """Also validate once before the first step (the baseline to compare against)."""
+    seed: int = 0
+    """Seed of the learner's torch RNG (model init is from the checkpoint; this covers dropout and the like)."""
+    run_name: str = Field(default="dgrpo", min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    """Name of the run: the metrics folder under log_dir, and the weight-sync run id samplers subscribe to."""
+    log_dir: str = "runs"
+    """Metrics go to <log_dir>/<run_name>/: metrics.jsonl and TensorBoard event files."""
+    loggers: list[Logger] = Field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
+    """Where metrics go. console: one progress line per step; jsonl: every metric, one line per step; tensorboard:
+    event files; wandb: Weights & Biases (needs `pip install wandb` and a login; fails at start otherwise)."""
+    wandb_project: str = "dgrpo"
+    """W&B project, with loggers including wandb."""
+    control_host: str = "0.0.0.0"
+    """Address the learner control service (Status, Stop; health and reflection) binds."""
+    control_port: int | None = Field(default=50053, ge=0, le=65535)
+    """Port of the learner control service (0: any free port, logged; null: no control service)."""
 
 
 class LearnerConfig(StrictConfig):
     """The GRPO trainer."""
+
+    data: DataConfig = Field(default_factory=DataConfig)
+    """Training and validation prompts."""
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    """Sampling and scoring: group size, sampling parameters, sampler and rewarder clients."""
+    actor: ActorConfig = Field(default_factory=ActorConfig)
+    """The policy update: mini/micro-batches, precision, memory savers, data parallelism."""
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    """AdamW, warmup and schedule, gradient clipping."""
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    """The GRPO objective: advantages, clipping, KL to the reference, off-policy corrections."""
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    """Checkpoints (save, resume) and the final export."""
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    """Length of training, validation, logging, control service."""
+
+    @model_validator(mode="after")
+    def _check_batches(self) -> LearnerConfig:
+        batch, mini = self.data.train_batch_size, self.actor.ppo_mini_batch_size
+        if batch % mini:
+            raise ValueError(
+                f"learner.data.train_batch_size={batch} is not a multiple of learner.actor.ppo_mini_batch_size="
+                f"{mini} (prompts per optimizer update)"
+            )
+        return self

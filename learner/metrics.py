@@ -1,0 +1,124 @@
+"""Observability of the loop: a per-step time breakdown naming the bottleneck, and the metric sinks.
+
+"Measure first: which side is the bottleneck" — every step is split into phases (generate, reward, logprob, train,
+weight_sync, ...) and the slowest one is named on the console and in the logs. Reward scoring overlaps generation,
+so its phase is only the tail the loop waits for after the last group arrived; `reward/busy_s` (summed call time)
+tells how much scoring ran hidden under generation.
+
+Sinks: console (one progress line per step), JSONL (every metric, one object per line, appended so a resumed run
+continues the file), TensorBoard event files, and Weights & Biases when installed and chosen.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from dgrpo.common.config import ConfigError
+
+log = logging.getLogger("dgrpo.learner")
+
+
+class StepTimer:
+    """Wall time per named phase of one step; `metrics()` adds the total and the bottleneck."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.phases: dict[str, float] = {}
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(name, time.perf_counter() - t0)
+
+    def add(self, name: str, seconds: float) -> None:
+        self.phases[name] = self.phases.get(name, 0.0) + seconds
+
+    def metrics(self) -> tuple[dict[str, float], str]:
+        total = time.perf_counter() - self.start
+        out = {f"time/{k}_s": v for k, v in self.phases.items()}
+        out["time/other_s"] = max(total - sum(self.phases.values()), 0.0)
+        out["time/step_s"] = total
+        bottleneck = max(self.phases, key=self.phases.get) if self.phases else "other"
+        return out, bottleneck
+
+
+def _fmt(metrics: dict[str, Any], key: str, spec: str = ".3f", label: str | None = None) -> str | None:
+    value = metrics.get(key)
+    return None if value is None else f"{label or key.split('/')[-1]} {value:{spec}}"
+
+
+def console_line(step: int, total: int, metrics: dict[str, float], bottleneck: str) -> str:
+    """`step 3/10 | reward 0.250±0.433 | ... | 12.3s (generate 61%)`: the numbers one watches."""
+    parts = [f"step {step}/{total}"]
+    if "reward/mean" in metrics:
+        parts.append(f"reward {metrics['reward/mean']:.3f}±{metrics.get('reward/std', 0.0):.3f}")
+    for key, spec, label in [
+        ("reward/accuracy", ".3f", "acc"), ("actor/kl", ".4f", "kl"), ("actor/entropy", ".3f", "entropy"),
+        ("response/length_mean", ".1f", "len"), ("actor/grad_norm", ".3f", "gnorm"), ("val/reward_mean", ".3f", "val"),
+    ]:
+        text = _fmt(metrics, key, spec, label)
+        if text:
+            parts.append(text)
+    if "actor/clip_frac_low" in metrics or "actor/clip_frac_high" in metrics:
+        parts.append(f"clip {metrics.get('actor/clip_frac_low', 0):.3f}/{metrics.get('actor/clip_frac_high', 0):.3f}")
+    if "perf/tokens_per_s" in metrics:
+        parts.append(f"{metrics['perf/tokens_per_s']:.0f} tok/s")
+    step_s = metrics.get("time/step_s", 0.0)
+    share = metrics.get(f"time/{bottleneck}_s", 0.0) / step_s if step_s else 0.0
+    parts.append(f"{step_s:.1f}s (bottleneck {bottleneck} {share:.0%})")
+    return " | ".join(parts)
+
+
+class MetricsLogger:
+    """Writes each step's metrics to the chosen sinks."""
+
+    def __init__(self, loggers: list[str], out_dir: Path, run_name: str, config: dict, wandb_project: str = "dgrpo"):
+        self.loggers, self.out_dir = set(loggers), out_dir
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self._jsonl = open(self.out_dir / "metrics.jsonl", "a") if "jsonl" in self.loggers else None  # noqa: SIM115
+        self._tb = None
+        if "tensorboard" in self.loggers:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.out_dir / "tensorboard"))
+        self._wandb = None
+        if "wandb" in self.loggers:
+            try:
+                import wandb
+            except ImportError:
+                raise ConfigError("learner.trainer.loggers includes 'wandb' but wandb is not installed "
+                                  "(pip install wandb)") from None
+            self._wandb = wandb.init(project=wandb_project, name=run_name, config=config, resume="allow")
+
+    def log(self, step: int, total: int, metrics: dict[str, float], bottleneck: str | None = None) -> None:
+        if "console" in self.loggers and bottleneck is not None:
+            log.info(console_line(step, total, metrics, bottleneck))
+        if self._jsonl is not None:
+            record = {"step": step, "time": time.time(), **metrics}
+            if bottleneck is not None:
+                record["bottleneck"] = bottleneck
+            self._jsonl.write(json.dumps(record) + "\n")
+            self._jsonl.flush()
+        if self._tb is not None:
+            for key, value in metrics.items():
+                self._tb.add_scalar(key, value, step)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(dict(metrics), step=step)
+
+    def close(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
