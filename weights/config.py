@@ -2,8 +2,44 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
+from pydantic import Field
+
 from dgrpo.common.config import StrictConfig
 
 
 class WeightSyncConfig(StrictConfig):
     """How new weights travel from the learner to every sampler."""
+
+    enabled: bool = True
+    """Samplers subscribe to the learner's weight announcements (and catch up at start). Off: a sampler serves its
+    initial checkpoint (version 0) forever."""
+    transport: Literal["shm", "tcp"] = "shm"
+    """shm: the learner writes two POSIX shared-memory slots in `shm_dir` that samplers on the same host read
+    directly. tcp: the same slot bytes are fetched over pyzmq from the learner (samplers on other hosts)."""
+    host: str = "127.0.0.1"
+    """Address at which samplers reach the learner's announcement and control sockets (e.g. `learner` in compose)."""
+    bind_host: str = "*"
+    """Interface the learner binds its sockets on (`*`: all)."""
+    announce_port: int = Field(default=55701, ge=1, le=65535)
+    """pyzmq PUB port: one announcement (run id, version, slot, manifest) per published version."""
+    control_port: int = Field(default=55702, ge=1, le=65535)
+    """pyzmq REP port: a starting sampler asks it for the latest version; the tcp transport fetches bytes there."""
+    shm_dir: str = "/dev/shm"
+    """Directory of POSIX shared memory (Linux: /dev/shm, what shm_open uses). Segments are 0600 files named
+    dgrpo-w-<run>-<pid>-s<slot>; containers sharing it need a common IPC namespace / /dev/shm mount."""
+    pause_mode: Literal["wait", "keep", "abort"] = "wait"
+    """How a sampler pauses around a load (vLLM pause_generation). wait: in-flight requests finish on the old
+    weights first, so every completion comes from exactly one version (its weight_version is exact). keep: freeze
+    in-flight requests and continue them on the new weights (faster swap; such completions span two versions).
+    abort: drop in-flight requests."""
+    verify_checksums: bool = True
+    """Check every tensor's xxh3-64 checksum before loading (about 15 GB/s); a mismatch rejects the version."""
+    catch_up_timeout_s: float = Field(default=2.0, ge=0)
+    """At start, how long a sampler waits for the learner to name its latest version (no learner yet: serve the
+    initial checkpoint and take versions as they are announced)."""
+    fetch_timeout_s: float = Field(default=60.0, gt=0)
+    """tcp transport: bound on fetching one version's bytes."""
+    gather_bucket_mb: int = Field(default=512, ge=1)
+    """Sharded (FSDP2) learner: full tensors are gathered in buckets of about this many MB (peak extra memory)."""

@@ -1,0 +1,211 @@
+"""The learner side of weight sync: write each version into one of two slots, announce it, serve late joiners.
+
+    with WeightPublisher(cfg.weights, run_id, dtype=cfg.model.dtype) as pub:
+        pub.publish(model.named_parameters(), version=step)   # HF checkpoint names; fp32 is cast to `dtype`
+
+Two slots: version v goes to the slot not holding v-1, so samplers still loading v-1 are not disturbed while v is
+written; a sampler that lags two versions behind sees the slot's sequence lock change and rejects the torn read
+(it then loads the newest version instead). The learner never tracks replicas: announcements go out on a pyzmq
+XPUB socket (any number of subscribers), and a REP control socket answers "latest" (late joiners) and, for the
+tcp transport, "fetch" (the slot bytes).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import zmq
+
+from dgrpo.weights.config import WeightSyncConfig
+from dgrpo.weights.shm import RUN_ID, MemorySegment, ShmSegment, reclaim_stale
+from dgrpo.weights.slot import SlotWriter, dtype_name
+
+log = logging.getLogger(__name__)
+
+TOPIC = b"weights"
+WELCOME = b"dgrpo-weights-welcome"  # sent by XPUB to each new subscriber: "your subscription is live"
+
+
+@dataclass
+class PublishStats:
+    """What one publish cost (seconds) and moved."""
+
+    version: int
+    slot: int
+    nbytes: int
+    num_tensors: int
+    write_s: float
+    """Cast + copy into the slot + per-tensor checksums (includes gathering, if the iterable gathers lazily)."""
+    announce_s: float
+    total_s: float
+
+    @property
+    def write_gbps(self) -> float:
+        return self.nbytes / max(self.write_s, 1e-9) / 1e9
+
+
+def segment_path(shm_dir: str, run_id: str, slot: int) -> Path:
+    return Path(shm_dir) / f"dgrpo-w-{run_id}-{os.getpid()}-s{slot}"
+
+
+class _Slots:
+    """Two segments plus what each one holds; a lock per slot orders the writer and the tcp fetch server."""
+
+    def __init__(self, cfg: WeightSyncConfig, run_id: str):
+        if cfg.transport == "shm":
+            self.segments = [ShmSegment(segment_path(cfg.shm_dir, run_id, s)) for s in (0, 1)]
+        else:
+            self.segments = [MemorySegment(), MemorySegment()]
+        self.writers = [SlotWriter(seg.ensure) for seg in self.segments]
+        self.locks = [threading.Lock(), threading.Lock()]
+        self.announced: list[dict | None] = [None, None]
+
+    def close(self) -> None:
+        for seg in self.segments:
+            seg.close(unlink=True)
+
+
+class WeightPublisher:
+    """Publishes weight versions to every sampler; `close()` (or the context manager) removes the segments."""
+
+    def __init__(self, cfg: WeightSyncConfig, run_id: str, dtype: str | torch.dtype = "bfloat16"):
+        if not RUN_ID.match(run_id):
+            raise ValueError(f"run_id={run_id!r}: use 1-64 characters from A-Z a-z 0-9 _ . (it names shm segments)")
+        self.cfg, self.run_id, self.dtype = cfg, run_id, dtype_name(dtype)
+        if cfg.transport == "shm":
+            reclaim_stale(cfg.shm_dir)
+        self._slots = _Slots(cfg, run_id)
+        self._latest: dict | None = None
+        self._ctx = zmq.Context()
+        self._pub = self._ctx.socket(zmq.XPUB)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        self._pub.setsockopt(zmq.XPUB_WELCOME_MSG, WELCOME)
+        self._pub.bind(f"tcp://{cfg.bind_host}:{cfg.announce_port}")
+        self._rep = self._ctx.socket(zmq.REP)
+        self._rep.setsockopt(zmq.LINGER, 0)
+        self._rep.bind(f"tcp://{cfg.bind_host}:{cfg.control_port}")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve_control, name="dgrpo-weights-control", daemon=True)
+        self._thread.start()
+        # Segments go away on normal exit even when close() is forgotten; a SIGKILLed run's are reclaimed at the
+        # next start (reclaim_stale).
+        self._finalizer = weakref.finalize(self, WeightPublisher._cleanup, self._slots, self._stop, self._thread,
+                                           self._ctx, [self._pub, self._rep])
+        log.info("weight publisher %s: %s transport, announcements on :%d, control on :%d, dtype %s",
+                 run_id, cfg.transport, cfg.announce_port, cfg.control_port, self.dtype)
+
+    # --- publishing ---
+
+    def publish(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> PublishStats:
+        """Write `named_tensors` (HF checkpoint names) as `version` and announce it. Versions must increase."""
+        if self._finalizer.alive is False:
+            raise RuntimeError("publish() after close()")
+        last = self._latest["version"] if self._latest else 0
+        if version <= last:
+            raise ValueError(f"publish(version={version}): versions must increase (last published {last})")
+        t0 = time.perf_counter()
+        slot = 0 if self._latest is None else 1 - self._latest["slot"]
+        with self._slots.locks[slot]:
+            self._slots.announced[slot] = None
+            written = self._slots.writers[slot].write(named_tensors, version, self.dtype, self.run_id)
+            seg = self._slots.segments[slot]
+            announcement = {
+                "run_id": self.run_id, "version": version, "slot": slot, "seq": written["seq"],
+                "transport": self.cfg.transport, "path": str(seg.path) if isinstance(seg, ShmSegment) else None,
+                "nbytes": written["nbytes"], "manifest_xxh3": written["manifest_xxh3"],
+                "manifest": written["manifest"],
+            }
+            self._slots.announced[slot] = announcement
+        t1 = time.perf_counter()
+        if self._latest is None:
+            log.info("weight slots: 2 x %.1f MB (%s, %d tensors as %s)", written["nbytes"] / 1e6,
+                     self.cfg.shm_dir if self.cfg.transport == "shm" else "learner memory, served over tcp",
+                     len(written["manifest"]["tensors"]), self.dtype)
+        self._latest = announcement
+        self._pub.send_multipart([TOPIC, json.dumps(announcement, separators=(",", ":")).encode()])
+        t2 = time.perf_counter()
+        stats = PublishStats(version, slot, written["nbytes"], len(written["manifest"]["tensors"]),
+                             write_s=t1 - t0, announce_s=t2 - t1, total_s=t2 - t0)
+        log.info("published weights v%d to slot %d: %.1f MB in %.3fs (%.1f GB/s)", version, slot,
+                 stats.nbytes / 1e6, stats.total_s, stats.write_gbps)
+        return stats
+
+    @property
+    def latest_version(self) -> int:
+        return self._latest["version"] if self._latest else 0
+
+    @property
+    def segment_paths(self) -> list[Path]:
+        return [s.path for s in self._slots.segments if isinstance(s, ShmSegment)]
+
+    # --- control socket (own thread: zmq sockets are not shared between threads) ---
+
+    def _serve_control(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._rep, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(100):
+                continue
+            try:
+                request = json.loads(self._rep.recv())
+                op = request.get("op")
+            except (ValueError, AttributeError, zmq.ZMQError):
+                request, op = {}, None
+            try:
+                if op == "latest":
+                    latest = self._latest
+                    self._rep.send(json.dumps(latest or {"run_id": self.run_id, "version": 0}).encode())
+                elif op == "fetch":
+                    self._send_slot(int(request.get("version", -1)), int(request.get("slot", -1)))
+                else:
+                    self._rep.send(json.dumps({"error": f"unknown request {request!r}"}).encode())
+            except zmq.ZMQError:
+                if self._stop.is_set():
+                    return
+                log.exception("weight control socket failed")
+
+    def _send_slot(self, version: int, slot: int) -> None:
+        if slot not in (0, 1):
+            self._rep.send(json.dumps({"error": f"slot {slot} does not exist"}).encode())
+            return
+        with self._slots.locks[slot]:
+            held = self._slots.announced[slot]
+            if held is None or held["version"] != version:
+                latest = self.latest_version
+                self._rep.send(json.dumps({"error": f"version {version} is gone (latest is {latest})"}).encode())
+                return
+            seg = self._slots.segments[slot]
+            # copy=True: zmq owns a copy before the lock is released, so the writer may reuse the slot at once.
+            self._rep.send_multipart([json.dumps({"seq": held["seq"]}).encode(),
+                                      memoryview(seg.buffer)[: held["nbytes"]]], copy=True)
+
+    # --- lifecycle ---
+
+    @staticmethod
+    def _cleanup(slots: _Slots, stop: threading.Event, thread: threading.Thread, ctx, sockets) -> None:
+        stop.set()
+        if thread.is_alive() and thread is not threading.current_thread():
+            thread.join(timeout=2)
+        for s in sockets:
+            s.close(linger=0)
+        ctx.term()
+        slots.close()
+
+    def close(self) -> None:
+        """Stop serving, close sockets and remove the shared-memory segments (idempotent)."""
+        self._finalizer()
+
+    def __enter__(self) -> WeightPublisher:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
