@@ -1,9 +1,198 @@
-"""Rewarder configuration."""
+"""Rewarder configuration: the service settings and the reward specification (functions with weights).
+
+The specification (`RewardSpec`) is the part that can change while training runs: the Reload RPC and
+SIGHUP validate a new one with these same models, so a reloaded spec fails exactly like a bad config would.
+"""
 
 from __future__ import annotations
 
+from typing import Annotated, Literal
+
 from dgrpo.common.config import StrictConfig
+from pydantic import Field, model_validator
+
+
+class _FunctionBase(StrictConfig):
+    name: str | None = Field(default=None, min_length=1, max_length=64)
+    """Name in breakdowns, logs and metrics. Unset: the built-in's type, the file function's name, or "reward_model"."""
+    weight: float = 1.0
+    """Weight of this function in the sum (the reward is the weighted sum of the functions that did not return None)."""
+    timeout_s: float | None = Field(default=None, gt=0, le=3600)
+    """Seconds one call (one group, or one batch for a model) may take before its worker is killed and the
+    completions get an error. Unset: rewarder.call_timeout_s."""
+
+
+class MathVerifyFunction(_FunctionBase):
+    """Math answer correctness with the math-verify library: 1.0 when the final answer equals the reference."""
+
+    type: Literal["math_verify"]
+    field: str = "answer"
+    """Extra column holding the reference answer (LaTeX, an expression or a number)."""
+    answer_tag: bool = True
+    """Look inside the last <answer>...</answer> of the completion first, if there is one."""
+
+
+class ExactMatchFunction(_FunctionBase):
+    """String match against a reference column: 1.0 when equal, else 0.0."""
+
+    type: Literal["exact_match"]
+    field: str = "answer"
+    """Extra column holding the reference string."""
+    normalize: bool = True
+    """Compare after case folding, collapsing whitespace and dropping surrounding punctuation, `$` and `\\boxed{}`."""
+    extract: Literal["full", "answer_tag", "last_line"] = "full"
+    """Which part of the completion to compare: all of it, the last <answer>...</answer>, or its last non-empty line."""
+
+
+class RegexFormatFunction(_FunctionBase):
+    """Format check by regular expression (Python `re`, DOTALL): 1.0 when the completion matches, else 0.0."""
+
+    type: Literal["regex_format"]
+    pattern: str = r"\s*<think>.*?</think>\s*<answer>.*?</answer>\s*"
+    """The regular expression."""
+    mode: Literal["fullmatch", "search"] = "fullmatch"
+    """fullmatch: the whole completion must match; search: it must occur somewhere."""
+
+    @model_validator(mode="after")
+    def _compiles(self) -> RegexFormatFunction:
+        import re
+
+        try:
+            re.compile(self.pattern)
+        except re.error as e:
+            raise ValueError(f"pattern {self.pattern!r} is not a valid regular expression: {e}") from None
+        return self
+
+
+class LengthFunction(_FunctionBase):
+    """Length bounds: 1.0 inside [min_length, max_length] (bounds) or a linear penalty outside it (penalty)."""
+
+    type: Literal["length"]
+    unit: Literal["chars", "words"] = "chars"
+    """What the length counts: characters, or whitespace-separated words."""
+    min_length: int = Field(default=0, ge=0)
+    """Shortest length without penalty."""
+    max_length: int = Field(default=1000, ge=1)
+    """Longest length without penalty."""
+    mode: Literal["bounds", "penalty"] = "bounds"
+    """bounds: 1.0 inside, 0.0 outside. penalty: 0.0 inside, -penalty_per_unit x distance to the range outside."""
+    penalty_per_unit: float = Field(default=0.001, ge=0)
+    """Penalty per character (or word) outside the range, in penalty mode."""
+
+    @model_validator(mode="after")
+    def _ordered(self) -> LengthFunction:
+        if self.min_length > self.max_length:
+            raise ValueError(f"min_length={self.min_length} is above max_length={self.max_length}")
+        return self
+
+
+class SeedRuleFunction(_FunctionBase):
+    """The rule reward of the seed document (004): +0.5 when 10 <= characters <= 200, +0.5 when the reference
+    answer appears in the completion."""
+
+    type: Literal["seed_rule"]
+    field: str = "answer"
+    """Extra column holding the reference answer."""
+
+
+class FileFunction(_FunctionBase):
+    """A user function from a Python file, TRL's signature: `fn(prompts, completions, **kwargs) -> list[float | None]`
+    (plain or async def); kwargs carry the extra columns, one value per completion (verl's custom_reward_function)."""
+
+    type: Literal["file"]
+    path: str = Field(min_length=1)
+    """Python file defining the function (relative paths are resolved against the working directory)."""
+    function: str = Field(default="reward_func", min_length=1)
+    """Name of the function in that file."""
+
+
+class ModelFunction(_FunctionBase):
+    """A reward model: a local Hugging Face AutoModelForSequenceClassification folder scoring prompt + completion."""
+
+    type: Literal["model"]
+    path: str = Field(min_length=1)
+    """Local folder with config.json, weights and tokenizer."""
+    max_length: int = Field(default=2048, ge=8)
+    """Tokens per scored sequence; longer ones are truncated (see truncation_side)."""
+    truncation_side: Literal["left", "right"] = "left"
+    """left drops the start of the prompt and keeps the completion's end, which is what the score is about."""
+    max_tokens_per_batch: int = Field(default=16384, ge=8)
+    """Token budget per forward pass (padded length x rows), like verl's forward_max_token_len_per_gpu."""
+    label_index: int = Field(default=0, ge=0)
+    """Which logit is the reward (0 for the usual single-output reward model)."""
+    device: Literal["auto", "npu", "cuda", "cpu"] = "auto"
+    """Where the model runs: auto picks an NPU, else a CUDA GPU, else the CPU (dgrpo.common.devices)."""
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    """Weight dtype; auto keeps float32 on the CPU and uses bfloat16 on accelerators."""
+
+
+RewardFunctionConfig = Annotated[
+    MathVerifyFunction | ExactMatchFunction | RegexFormatFunction | LengthFunction | SeedRuleFunction
+    | FileFunction | ModelFunction,
+    Field(discriminator="type"),
+]
+
+
+class RewardSpec(StrictConfig):
+    """A reward specification: the reward of a completion is the weighted sum of these functions."""
+
+    name: str = Field(default="default", min_length=1, max_length=128)
+    """Name reported with every score (with a version and a content hash), e.g. "math-v2"."""
+    functions: list[RewardFunctionConfig] = Field(
+        default_factory=lambda: [MathVerifyFunction(type="math_verify")], min_length=1
+    )
+    """Reward functions; each entry has a `type`: math_verify, exact_match, regex_format, length, seed_rule,
+    file or model."""
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> RewardSpec:
+        seen: set[str] = set()
+        for f in self.functions:
+            name = function_name(f)
+            if name in seen:
+                raise ValueError(f"two reward functions are named {name!r}; give one a distinct `name`")
+            seen.add(name)
+        return self
+
+
+def function_name(f: _FunctionBase) -> str:
+    """The name a function goes by in breakdowns: its `name`, else its file function name, type or "reward_model"."""
+    if f.name:
+        return f.name
+    if isinstance(f, FileFunction):
+        return f.function
+    if isinstance(f, ModelFunction):
+        return "reward_model"
+    return f.type  # type: ignore[attr-defined]
 
 
 class RewarderConfig(StrictConfig):
     """The reward service."""
+
+    host: str = "0.0.0.0"
+    """Address the gRPC server binds."""
+    port: int = Field(default=50052, ge=0, le=65535)
+    """gRPC port (0: any free port)."""
+    metrics_port: int | None = Field(default=None, ge=0, le=65535)
+    """Port of the Prometheus /metrics endpoint; unset: no endpoint."""
+    spec: RewardSpec = Field(default_factory=RewardSpec)
+    """The reward specification used at start (unless spec_file is set)."""
+    spec_file: str | None = None
+    """YAML/JSON file holding the reward specification; when set it replaces `spec`, and Reload without text and
+    SIGHUP re-read it (edit the file, send SIGHUP)."""
+    workers: int = Field(default=2, ge=1, le=256)
+    """Worker processes running the reward functions (user code never runs in the server process)."""
+    call_timeout_s: float = Field(default=60.0, gt=0, le=3600)
+    """Default seconds one function call may take before its worker is killed and replaced."""
+    load_timeout_s: float = Field(default=300.0, gt=0)
+    """Seconds a worker may take to load the specification (import user files, load models)."""
+    on_error: Literal["error", "zero", "fail_request"] = "error"
+    """When a function fails on a completion: error = that completion gets status ERROR (the others are scored);
+    zero = the function counts 0 and the completion stays OK (the message says why); fail_request = the whole
+    Score call fails with FAILED_PRECONDITION."""
+    max_completions_per_request: int = Field(default=65536, ge=1)
+    """Larger requests are rejected with INVALID_ARGUMENT."""
+    max_request_chars: int = Field(default=64 * 1024 * 1024, ge=1)
+    """Total characters of prompts and completions per request; larger requests are rejected with INVALID_ARGUMENT."""
+    grace_s: float = Field(default=30.0, ge=0)
+    """On SIGTERM, seconds running requests get to finish before they are cancelled."""

@@ -1,0 +1,280 @@
+"""The reward service's domain object: validates requests, scores them on the active spec, hot-swaps specs.
+
+No grpc here: the servicer (rewarder/server.py) converts messages and maps the typed errors below to status
+codes. Hot swap: a request pins the spec generation active when it arrives; Reload loads the new spec into a
+new worker pool first (a spec that fails to load never becomes active), swaps, and closes the old pool once
+its last request has finished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+from dgrpo.rewarder import metrics
+from dgrpo.rewarder.config import RewarderConfig, RewardSpec
+from dgrpo.rewarder.pool import CallFailed, WorkerPool
+from dgrpo.rewarder.spec import SpecRef, SpecSnapshot, parse_spec_text, read_spec_file, snapshot
+
+log = logging.getLogger("dgrpo.rewarder")
+
+# Keys a group's extra columns may not use: they are the reward functions' positional arguments.
+RESERVED_COLUMNS = ("prompts", "completions")
+# TRL drops these dataset columns before calling reward functions; so do we.
+TRL_DROPPED_COLUMNS = ("prompt", "completion", "completion_ids")
+
+
+class RequestError(ValueError):
+    """A malformed Score request (-> INVALID_ARGUMENT)."""
+
+
+class ScoringFailed(RuntimeError):
+    """A reward function failed and on_error is fail_request (-> FAILED_PRECONDITION)."""
+
+
+class NotReady(RuntimeError):
+    """No spec loaded yet, or shutting down (-> UNAVAILABLE)."""
+
+
+@dataclass
+class GroupInput:
+    prompt_id: str
+    prompt: str | list[dict]  # text, or chat messages [{"role", "content"}]
+    completions: list[str]
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass
+class CompletionScore:
+    reward: float
+    breakdown: dict[str, float]
+    ok: bool
+    message: str = ""
+
+
+@dataclass
+class ScoreResult:
+    groups: list[list[CompletionScore]]
+    spec: SpecRef
+
+
+@dataclass
+class _Generation:
+    """One loaded spec with its worker pool and the requests still running on it."""
+
+    snap: SpecSnapshot
+    ref: SpecRef
+    pool: WorkerPool
+    in_flight: int = 0
+    retired: bool = False
+    drained: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+def _prompt_chars(prompt) -> int:
+    return len(prompt) if isinstance(prompt, str) else sum(len(m.get("content", "")) for m in prompt)
+
+
+class Scorer:
+    def __init__(self, config: RewarderConfig):
+        self.config = config
+        self._active: _Generation | None = None
+        self._reload_lock = asyncio.Lock()
+        self._versions = 0
+        self._closing = False
+
+    # ---- lifecycle ----
+
+    def configured_spec(self) -> RewardSpec:
+        """The spec the configuration names: spec_file (re-read each time) or the inline spec."""
+        return read_spec_file(self.config.spec_file) if self.config.spec_file else self.config.spec
+
+    async def start(self) -> SpecRef:
+        """Load the configured spec (SpecError if it does not load)."""
+        ref, _, _ = await self.reload(None)
+        return ref
+
+    async def reload(self, spec_text: str | None) -> tuple[SpecRef, SpecRef | None, bool]:
+        """Switch to a new spec (text, or the configured one); returns (active, previous, changed).
+
+        SpecError leaves the active spec untouched."""
+        async with self._reload_lock:
+            spec = parse_spec_text(spec_text) if spec_text else self.configured_spec()
+            snap = snapshot(spec)
+            old = self._active
+            if old is not None and old.snap.content_hash == snap.content_hash:
+                return old.ref, old.ref, False
+            pool = WorkerPool(snap, self.config.workers, self.config.load_timeout_s)
+            started = time.monotonic()
+            await pool.start()
+            self._versions += 1
+            ref = SpecRef(spec.name, self._versions, snap.content_hash)
+            self._active = _Generation(snap, ref, pool)
+            metrics.set_active_spec(ref)
+            log.info("reward spec %r version %d (%s) active after %.1fs", ref.name, ref.version,
+                     ref.content_hash[:12], time.monotonic() - started)
+            if old is not None:
+                self._retire(old)
+            return ref, (old.ref if old else None), True
+
+    def _retire(self, gen: _Generation) -> None:
+        gen.retired = True
+        if gen.in_flight == 0:
+            gen.drained.set()
+        asyncio.get_running_loop().create_task(self._close_when_drained(gen))
+
+    async def _close_when_drained(self, gen: _Generation) -> None:
+        await gen.drained.wait()
+        await gen.pool.close()
+        log.info("reward spec version %d retired", gen.ref.version)
+
+    async def drain(self, timeout: float) -> None:
+        """Stop taking requests and wait (up to timeout) for the running ones."""
+        self._closing = True
+        gen = self._active
+        if gen is None or gen.in_flight == 0:
+            return
+        gen.retired = True
+        try:
+            await asyncio.wait_for(gen.drained.wait(), timeout)
+        except asyncio.TimeoutError:
+            log.warning("%d score requests still running after %.0fs", gen.in_flight, timeout)
+
+    async def close(self) -> None:
+        self._closing = True
+        if self._active is not None:
+            await self._active.pool.close()
+
+    # ---- state ----
+
+    @property
+    def active(self) -> SpecSnapshot | None:
+        return self._active.snap if self._active else None
+
+    @property
+    def active_ref(self) -> SpecRef | None:
+        return self._active.ref if self._active else None
+
+    @property
+    def workers_alive(self) -> int:
+        return self._active.pool.alive if self._active else 0
+
+    @property
+    def in_flight(self) -> int:
+        return self._active.in_flight if self._active else 0
+
+    # ---- scoring ----
+
+    def validate(self, groups: list[GroupInput], group_size: int) -> None:
+        if not groups:
+            raise RequestError("the request has no groups")
+        seen: set[str] = set()
+        total = chars = 0
+        for i, g in enumerate(groups):
+            label = f"groups[{i}] (prompt_id {g.prompt_id!r})"
+            if g.prompt_id in seen:
+                raise RequestError(f"{label}: duplicate prompt_id")
+            seen.add(g.prompt_id)
+            if not g.completions:
+                raise RequestError(f"{label} has no completions")
+            if group_size and len(g.completions) != group_size:
+                raise RequestError(f"{label} has {len(g.completions)} completions, group_size is {group_size}")
+            reserved = [k for k in g.extra if k in RESERVED_COLUMNS]
+            if reserved:
+                raise RequestError(f"{label}: extra column {reserved[0]!r} clashes with the reward function argument")
+            total += len(g.completions)
+            chars += _prompt_chars(g.prompt) + sum(len(c) for c in g.completions)
+        if total > self.config.max_completions_per_request:
+            raise RequestError(f"{total} completions in one request; the limit is "
+                               f"rewarder.max_completions_per_request={self.config.max_completions_per_request}")
+        if chars > self.config.max_request_chars:
+            raise RequestError(f"{chars} characters of prompts and completions in one request; the limit is "
+                               f"rewarder.max_request_chars={self.config.max_request_chars}")
+
+    async def score(self, groups: list[GroupInput], group_size: int = 0) -> ScoreResult:
+        self.validate(groups, group_size)
+        gen = self._active
+        if gen is None or self._closing:
+            raise NotReady("the rewarder is not serving (still loading or shutting down)")
+        gen.in_flight += 1
+        started = time.monotonic()
+        try:
+            result = await self._score_on(gen, groups)
+        finally:
+            gen.in_flight -= 1
+            if gen.retired and gen.in_flight == 0:
+                gen.drained.set()
+        metrics.REQUEST_SECONDS.observe(time.monotonic() - started)
+        return result
+
+    def _chunks(self, kind: str, groups: list[GroupInput]) -> list[list[int]]:
+        """Group indices per call: one group per call for functions (parallel across workers, a failure stays
+        in its group); for reward models, one contiguous chunk per worker so batches stay large."""
+        if kind != "model":
+            return [[i] for i in range(len(groups))]
+        n = min(self.config.workers, len(groups))
+        return [list(range(len(groups)))[k::n] for k in range(n)]
+
+    async def _score_on(self, gen: _Generation, groups: list[GroupInput]) -> ScoreResult:
+        infos = gen.snap.functions()
+        # values[f][g][c]: float | None | str (error message)
+        values: list[list[list]] = [[[None] * len(g.completions) for g in groups] for _ in infos]
+        calls = []
+        for f, (info, cfg) in enumerate(zip(infos, gen.snap.spec.functions)):
+            timeout = cfg.timeout_s or self.config.call_timeout_s
+            for chunk in self._chunks(info.kind, groups):
+                calls.append(self._call(gen, f, info.name, chunk, groups, values, timeout))
+        await asyncio.gather(*calls)
+        return self._combine(gen, infos, groups, values)
+
+    async def _call(self, gen, f: int, name: str, chunk: list[int], groups, values, timeout: float) -> None:
+        prompts, completions, kwargs = [], [], {}
+        columns = sorted({k for i in chunk for k in groups[i].extra if k not in TRL_DROPPED_COLUMNS})
+        for i in chunk:
+            g = groups[i]
+            prompts += [g.prompt] * len(g.completions)
+            if isinstance(g.prompt, list):  # TRL's conversational format
+                completions += [[{"role": "assistant", "content": c}] for c in g.completions]
+            else:
+                completions += list(g.completions)
+            for k in columns:
+                kwargs.setdefault(k, []).extend([g.extra.get(k)] * len(g.completions))
+        started = time.monotonic()
+        try:
+            flat = await gen.pool.call(f, prompts, completions, kwargs, timeout)
+        except CallFailed as e:
+            flat = [f"reward function {name!r} {e}"] * len(completions)
+            metrics.FUNCTION_ERRORS.labels(name).inc(len(completions))
+        else:
+            flat = [f"reward function {name!r} {v}" if isinstance(v, str) else v for v in flat]
+            metrics.FUNCTION_ERRORS.labels(name).inc(sum(isinstance(v, str) for v in flat))
+        metrics.FUNCTION_SECONDS.labels(name).observe(time.monotonic() - started)
+        pos = 0
+        for i in chunk:
+            n = len(groups[i].completions)
+            values[f][i] = flat[pos:pos + n]
+            pos += n
+
+    def _combine(self, gen: _Generation, infos, groups, values) -> ScoreResult:
+        policy = self.config.on_error
+        out: list[list[CompletionScore]] = []
+        for gi, g in enumerate(groups):
+            scores = []
+            for ci in range(len(g.completions)):
+                reward, breakdown, errors = 0.0, {}, []
+                for fi, info in enumerate(infos):
+                    v = values[fi][gi][ci]
+                    if isinstance(v, str):
+                        errors.append(v)
+                    elif v is not None:
+                        breakdown[info.name] = v
+                        reward += info.weight * v
+                if errors and policy == "fail_request":
+                    raise ScoringFailed(f"prompt_id {g.prompt_id!r} completion {ci}: {errors[0]}")
+                ok = not errors or policy == "zero"
+                message = "; ".join(errors)
+                scores.append(CompletionScore(reward if ok else 0.0, breakdown, ok, message))
+                metrics.COMPLETIONS.labels("ok" if ok else "error").inc()
+            out.append(scores)
+        return ScoreResult(out, gen.ref)

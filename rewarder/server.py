@@ -1,0 +1,116 @@
+"""The reward service's gRPC edge: a thin servicer over the Scorer, the server lifecycle, and `dgrpo rewarder`.
+
+Lifecycle: bind and report NOT_SERVING, load the spec into the worker pool, report SERVING; SIGHUP reloads
+the configured spec; SIGTERM reports NOT_SERVING, lets running requests finish (grace_s), stops the workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+import grpc
+from dgrpo.common.grpc_server import CHANNEL_OPTIONS, add_standard_services, serve_until_signal, set_health
+from dgrpo.common.logs import setup_logging
+from dgrpo.rewarder import convert, metrics
+from dgrpo.rewarder.config import RewarderConfig
+from dgrpo.rewarder.scorer import NotReady, RequestError, Scorer, ScoringFailed
+from dgrpo.rewarder.spec import SpecError
+from dgrpo.v1 import rewarder_pb2 as pb
+from dgrpo.v1 import rewarder_pb2_grpc
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Rewarder"].full_name
+log = logging.getLogger("dgrpo.rewarder")
+
+
+class RewarderServicer(rewarder_pb2_grpc.RewarderServicer):
+    """Converts messages, calls the Scorer, maps its typed errors to status codes (and nothing else)."""
+
+    def __init__(self, scorer: Scorer):
+        self.scorer = scorer
+
+    async def Score(self, request: pb.ScoreRequest, context: grpc.aio.ServicerContext) -> pb.ScoreResponse:
+        try:
+            result = await self.scorer.score(convert.groups_from_proto(request), request.group_size)
+        except RequestError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except ScoringFailed as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except NotReady as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        return convert.score_response(result, [g.prompt_id for g in request.groups])
+
+    async def Info(self, request: pb.RewarderInfoRequest, context: grpc.aio.ServicerContext) -> pb.RewarderInfo:
+        snap = self.scorer.active
+        return pb.RewarderInfo(
+            spec=convert.spec_ref_to_proto(self.scorer.active_ref),
+            functions=[convert.function_info_to_proto(f) for f in snap.functions()] if snap else [],
+            workers=self.scorer.config.workers,
+            workers_alive=self.scorer.workers_alive,
+            on_error=self.scorer.config.on_error,
+            in_flight_requests=self.scorer.in_flight,
+        )
+
+    async def Reload(self, request: pb.ReloadRequest, context: grpc.aio.ServicerContext) -> pb.ReloadResponse:
+        try:
+            ref, previous, changed = await self.scorer.reload(request.spec_text or None)
+        except SpecError as e:
+            log.error("reload rejected, the active spec stays: %s", e)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return pb.ReloadResponse(
+            spec=convert.spec_ref_to_proto(ref), previous=convert.spec_ref_to_proto(previous or ref), changed=changed
+        )
+
+
+def create_server(config: RewarderConfig) -> tuple[grpc.aio.Server, int, object, Scorer]:
+    """(server, bound port, health servicer, scorer); health starts NOT_SERVING until `serve` has loaded the spec."""
+    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    scorer = Scorer(config)
+    rewarder_pb2_grpc.add_RewarderServicer_to_server(RewarderServicer(scorer), server)
+    health = add_standard_services(server, [SERVICE_NAME])
+    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    if port == 0:
+        raise RuntimeError(f"cannot bind rewarder.host:port = {config.host}:{config.port}")
+    return server, port, health, scorer
+
+
+async def _reload_on_sighup(scorer: Scorer) -> None:
+    try:
+        ref, _, changed = await scorer.reload(None)
+        log.info("SIGHUP: %s", f"now on version {ref.version}" if changed else "spec unchanged")
+    except SpecError as e:
+        log.error("SIGHUP reload rejected, the active spec stays: %s", e)
+
+
+async def serve(config: RewarderConfig) -> int:
+    server, port, health, scorer = create_server(config)
+    await set_health(health, [SERVICE_NAME], serving=False)
+    await server.start()
+    log.info("rewarder listening on %s:%d, loading the reward spec into %d workers", config.host, port,
+             config.workers)
+    if config.metrics_port is not None:
+        metrics.serve(config.metrics_port)
+        metrics.WORKERS_ALIVE.set_function(lambda: scorer.workers_alive)
+    try:
+        await scorer.start()
+    except SpecError as e:
+        log.error("the reward spec does not load: %s", e)
+        await server.stop(0)
+        return 1
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(_reload_on_sighup(scorer)))
+    await set_health(health, [SERVICE_NAME], serving=True)
+    log.info("rewarder SERVING on port %d", port)
+    await serve_until_signal(
+        server, health, [SERVICE_NAME], grace=config.grace_s,
+        on_signal=lambda: scorer.drain(config.grace_s), on_stop=scorer.close,
+    )
+    log.info("rewarder stopped")
+    return 0
+
+
+def main(cfg) -> int:
+    """`dgrpo rewarder`: cfg is the StackConfig; this service reads only its `rewarder` section."""
+    setup_logging("rewarder")
+    return asyncio.run(serve(cfg.rewarder))

@@ -1,0 +1,189 @@
+"""Reward specifications: parse, snapshot (freeze user code and model identity), hash, and build the functions.
+
+The server process only snapshots: it reads the user files' source text and the model folders' identity, and
+hashes them with the spec. Worker processes build the callables from that snapshot (`build_functions`), so a
+replacement worker runs exactly the code the hash names even if the file changed on disk meanwhile; the file
+is read again only on Reload / SIGHUP.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import sys
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+from dgrpo.rewarder.config import FileFunction, ModelFunction, RewardSpec, function_name
+from pydantic import ValidationError
+
+
+class SpecError(ValueError):
+    """A reward specification that cannot be used: bad text, missing file, import error, missing function."""
+
+
+@dataclass(frozen=True)
+class SpecRef:
+    """Which specification scored something (mirrors the proto's RewardSpecRef)."""
+
+    name: str
+    version: int
+    content_hash: str
+
+
+@dataclass(frozen=True)
+class FunctionInfo:
+    name: str
+    kind: str
+    weight: float
+    source: str
+
+
+@dataclass
+class SpecSnapshot:
+    """A validated spec plus the source of every user file it names: what workers build from (picklable)."""
+
+    spec: RewardSpec
+    sources: dict[str, str] = field(default_factory=dict)  # absolute path -> file text
+    content_hash: str = ""
+
+    def functions(self) -> list[FunctionInfo]:
+        out = []
+        for f in self.spec.functions:
+            if isinstance(f, FileFunction):
+                source = f"{_abspath(f.path)}:{f.function}"
+            elif isinstance(f, ModelFunction):
+                source = _abspath(f.path)
+            else:
+                source = ""
+            out.append(FunctionInfo(function_name(f), f.type, f.weight, source))
+        return out
+
+
+def _abspath(path: str) -> str:
+    return str(Path(path).expanduser().resolve())
+
+
+def _format_validation(err: ValidationError) -> str:
+    parts = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "(root)"
+        parts.append(f"{key}: {e['msg']}")
+    return "; ".join(parts)
+
+
+def parse_spec(data: object, origin: str) -> RewardSpec:
+    """Validate a spec mapping with the config's own model; SpecError names the key and the origin."""
+    if isinstance(data, RewardSpec):
+        return data
+    if not isinstance(data, dict):
+        raise SpecError(f"{origin}: a reward spec is a mapping with `name` and `functions`, not {type(data).__name__}")
+    try:
+        return RewardSpec.model_validate(data)
+    except ValidationError as e:
+        raise SpecError(f"{origin}: invalid reward spec: {_format_validation(e)}") from None
+
+
+def parse_spec_text(text: str, origin: str = "reload request") -> RewardSpec:
+    """YAML or JSON text (JSON is YAML) -> RewardSpec."""
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise SpecError(f"{origin}: not valid YAML or JSON: {e}") from None
+    return parse_spec(data, origin)
+
+
+def read_spec_file(path: str) -> RewardSpec:
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise SpecError(f"spec file {path!r} does not exist")
+    return parse_spec_text(p.read_text(), f"spec file {path!r}")
+
+
+def _model_identity(folder: Path) -> bytes:
+    """config.json plus the names and sizes of the weight files: cheap, and changes when the checkpoint does."""
+    parts = [(folder / "config.json").read_bytes()]
+    for w in sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.bin")):
+        parts.append(f"{w.name}:{w.stat().st_size}".encode())
+    return b"\n".join(parts)
+
+
+def snapshot(spec: RewardSpec) -> SpecSnapshot:
+    """Read every user file and model identity the spec names; SpecError when one is missing."""
+    digest = hashlib.sha256(json.dumps(spec.model_dump(mode="json"), sort_keys=True).encode())
+    sources: dict[str, str] = {}
+    for f in spec.functions:
+        if isinstance(f, FileFunction):
+            path = Path(_abspath(f.path))
+            if not path.is_file():
+                raise SpecError(f"reward function {function_name(f)!r}: reward file {f.path!r} does not exist")
+            try:
+                sources[str(path)] = path.read_text()
+            except (OSError, UnicodeDecodeError) as e:
+                raise SpecError(f"reward function {function_name(f)!r}: cannot read {f.path!r}: {e}") from None
+            digest.update(f"\nfile {path}\n".encode() + sources[str(path)].encode())
+        elif isinstance(f, ModelFunction):
+            folder = Path(_abspath(f.path))
+            if not (folder / "config.json").is_file():
+                raise SpecError(
+                    f"reward function {function_name(f)!r}: model path {f.path!r} is not a Hugging Face folder "
+                    "(no config.json there)"
+                )
+            digest.update(f"\nmodel {folder}\n".encode() + _model_identity(folder))
+    return SpecSnapshot(spec=spec, sources=sources, content_hash=digest.hexdigest())
+
+
+# ---- worker side: build callables from a snapshot ----
+
+
+def _load_user_function(f: FileFunction, snap: SpecSnapshot):
+    path = _abspath(f.path)
+    source = snap.sources[path]
+    label = f"reward function {function_name(f)!r}: reward file {f.path!r}"
+    module_name = f"dgrpo_user_reward_{snap.content_hash[:12]}_{Path(path).stem}"
+    module = sys.modules.get(module_name)
+    if module is None:
+        module = types.ModuleType(module_name)
+        module.__file__ = path
+        # Helpers next to the file import like they do under TRL or verl.
+        if str(Path(path).parent) not in sys.path:
+            sys.path.insert(0, str(Path(path).parent))
+        sys.modules[module_name] = module
+        try:
+            exec(compile(source, path, "exec"), module.__dict__)  # noqa: S102 - running the user's reward file is the point
+        except BaseException as e:  # noqa: BLE001 - user code: any failure is a load error, SystemExit included
+            del sys.modules[module_name]
+            raise SpecError(f"{label} does not import: {type(e).__name__}: {e}") from None
+    fn = getattr(module, f.function, None)
+    if fn is None:
+        defined = sorted(n for n, v in vars(module).items() if inspect.isfunction(v) and not n.startswith("_"))
+        raise SpecError(f"{label} has no function {f.function!r} (it defines: {', '.join(defined) or 'none'})")
+    if not callable(fn):
+        raise SpecError(f"{label}: {f.function!r} is a {type(fn).__name__}, not a function")
+    return fn
+
+
+def build_functions(snap: SpecSnapshot) -> list:
+    """The callables of a spec, in order (worker side: imports user code, loads reward models)."""
+    from dgrpo.rewarder.builtins import BUILTINS, build_builtin
+
+    fns = []
+    for f in snap.spec.functions:
+        if isinstance(f, FileFunction):
+            fns.append(_load_user_function(f, snap))
+        elif isinstance(f, ModelFunction):
+            from dgrpo.rewarder.reward_model import RewardModel
+
+            try:
+                fns.append(RewardModel(f))
+            except Exception as e:  # noqa: BLE001 - a model that cannot load is a spec error with its reason
+                raise SpecError(f"reward function {function_name(f)!r}: cannot load model {f.path!r}: "
+                                f"{type(e).__name__}: {e}") from None
+        elif f.type in BUILTINS:
+            fns.append(build_builtin(f))
+        else:  # pragma: no cover - the discriminated union makes this unreachable
+            raise SpecError(f"unknown reward function type {f.type!r}")
+    return fns

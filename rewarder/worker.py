@@ -1,0 +1,110 @@
+"""A reward worker process: builds the spec's functions from a snapshot and runs calls sent by the server.
+
+Started by rewarder/pool.py as `python -m dgrpo.rewarder.worker FD` (a plain subprocess, not multiprocessing:
+spawn would re-run the `dgrpo` entry point as its main module). FD is one end of a socketpair speaking
+multiprocessing's Connection protocol (pickled messages):
+
+  server -> worker: the SpecSnapshot, then ("call", fn_index, prompts, completions, kwargs) ... or None to exit
+  worker -> server: ("ready", pid) | ("load_error", message), then per call ("ok", values) | ("error", message)
+
+`values` holds, per completion, a float, None ("not applicable"), or a str explaining why that one value is
+unusable (NaN, inf, not a number). A hang or a crash is noticed by the server (timeout / closed connection).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+import numbers
+import signal
+import sys
+import traceback
+from multiprocessing.connection import Connection
+
+
+def check_values(values, n: int) -> list[float | None | str]:
+    """Validate a reward function's return value for n completions (raises ValueError on a wrong shape)."""
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
+        raise ValueError(f"returned {type(values).__name__}, expected a list of {n} floats or None")
+    if hasattr(values, "tolist"):  # numpy arrays, torch tensors
+        values = values.tolist()
+    if len(values) != n:
+        raise ValueError(f"returned {len(values)} values for {n} completions")
+    out: list[float | None | str] = []
+    for v in values:
+        if v is None:
+            out.append(None)
+        elif isinstance(v, bool) or not isinstance(v, numbers.Real):
+            out.append(f"returned {v!r} ({type(v).__name__}), not a number")
+        elif not math.isfinite(float(v)):
+            out.append(f"returned {float(v)} (not finite)")
+        else:
+            out.append(float(v))
+    return out
+
+
+def describe_exception(e: BaseException) -> str:
+    """`TypeError: msg (at file.py:12)`: the innermost frame, which is usually the user's line."""
+    frames = traceback.extract_tb(e.__traceback__)
+    where = f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+    return f"raised {type(e).__name__}: {e}{where}"
+
+
+def call_function(fn, prompts: list, completions: list, kwargs: dict) -> tuple[str, object]:
+    """One call, TRL style (keywords, as TRL's trainer passes them); async functions run to completion."""
+    try:
+        result = fn(prompts=prompts, completions=completions, **kwargs)
+        if inspect.isawaitable(result):
+            result = asyncio.run(_await(result))
+    except Exception as e:  # noqa: BLE001 - user code: every failure becomes an error for this call
+        return "error", describe_exception(e)
+    try:
+        return "ok", check_values(result, len(completions))
+    except ValueError as e:
+        return "error", str(e)
+
+
+async def _await(awaitable):
+    return await awaitable
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this worker when the server dies, even while user code hangs."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def main(fd: int) -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the server, which stops us itself
+    _die_with_parent()
+    conn = Connection(fd)
+    snap = conn.recv()
+    from dgrpo.rewarder.spec import SpecError, build_functions
+
+    try:
+        fns = build_functions(snap)
+    except SpecError as e:
+        conn.send(("load_error", str(e)))
+        return 1
+    except Exception as e:  # noqa: BLE001 - anything else while loading is reported, not a silent exit
+        conn.send(("load_error", f"loading the reward spec {describe_exception(e)}"))
+        return 1
+    conn.send(("ready", None))
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return 0  # the server went away
+        if msg is None:
+            return 0
+        _, index, prompts, completions, kwargs = msg
+        conn.send(call_function(fns[index], prompts, completions, kwargs))
+
+
+if __name__ == "__main__":
+    sys.exit(main(int(sys.argv[1])))
