@@ -97,6 +97,8 @@ def _is_model(tp: Any) -> bool:
 
 def _type_name(tp: Any) -> str:
     origin = typing.get_origin(tp)
+    if origin is typing.Annotated:
+        return _type_name(typing.get_args(tp)[0])
     if origin is typing.Literal:
         return " | ".join(repr(a) for a in typing.get_args(tp))
     if origin in (typing.Union, types.UnionType):
