@@ -107,8 +107,9 @@ class ActorConfig(StrictConfig):
     """Token budget of one packed micro-batch per device (prompt + completion tokens), with use_dynamic_bsz.
     A single longer sequence still gets a micro-batch of its own."""
     logprob_max_tokens_per_micro_batch: int | None = Field(default=None, ge=16)
-    """Token budget of the no-grad forwards (reference and old-policy logprobs), which need no activations
-    for backward and can take more. Null: 2x max_tokens_per_micro_batch (packed) or 2x the micro-batch size."""
+    """Token budget of the packed no-grad forwards (reference and old-policy logprobs), which keep no
+    activations for backward and can take more. Null: 2x max_tokens_per_micro_batch. (Padded no-grad
+    forwards take 2x micro_batch_size_per_device sequences.)"""
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     """Autocast dtype of forwards and backwards (master weights and optimizer states stay fp32). bfloat16 is
     used where the device computes it (NPU, CUDA, CPU); float32 turns autocast off."""
@@ -131,7 +132,9 @@ class CheckpointConfig(StrictConfig):
     """Folder holding step_<N>/ checkpoints (created if missing)."""
     save_freq: int = Field(default=0, ge=0)
     """Save every this many training steps (and at the last step); 0 saves only at the end."""
-    contents: list[Literal["model", "optimizer", "extra"]] = ["model", "optimizer", "extra"]
+    contents: list[Literal["model", "optimizer", "extra"]] = Field(
+        default_factory=lambda: ["model", "optimizer", "extra"]
+    )
     """What a checkpoint holds. model: the policy weights; optimizer: AdamW state and the lr scheduler;
     extra: RNG states, the step and the data position (what resuming exactly needs)."""
     keep_last: int | None = Field(default=2, ge=1)

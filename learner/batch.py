@@ -71,7 +71,7 @@ class MicroBatch:
         return len(self.indices)
 
     def to(self, device: torch.device) -> MicroBatch:
-        move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+        move = lambda t: None if t is None else t.to(device, non_blocking=True)
         return MicroBatch(
             move(self.input_ids), move(self.position_ids), move(self.attention_mask), move(self.token_index),
             move(self.mask), move(self.advantages), move(self.sampler_logp), move(self.truncated),

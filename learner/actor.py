@@ -1,0 +1,345 @@
+"""The actor: the policy being trained, its frozen reference, logprob forwards and the GRPO update.
+
+One `update(sequences, group_size)` is one training step (verl's update_policy):
+ppo_epochs x mini-batches (ppo_mini_batch_size groups, one AdamW update each) x micro-batches (one
+forward/backward each, gradients accumulated). Micro-batches are padded (a sequence count) or packed (a
+token budget, no padding: learner/batch.py). Every rank receives the same global list of sequences and
+trains on its share of each mini-batch (learner/distributed.py balance_batch); each micro-batch's loss is
+weighted by its share of the mini-batch's denominator, so the update equals the single-process update on
+the same global batch whatever the split (tested with 2 gloo processes).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from dgrpo.learner import grpo
+from dgrpo.learner.actor_config import ActorConfig, AlgorithmConfig, OptimConfig
+from dgrpo.learner.batch import MicroBatch, Sequence, micro_batches
+from dgrpo.learner.distributed import (
+    DistContext,
+    all_reduce_max,
+    all_reduce_sum,
+    balance_batch,
+    contiguous_split,
+    shard_model,
+)
+
+# Order of the per-token statistics accumulated over micro-batches (token-weighted, summed over ranks).
+_TOKEN_STATS = ("clip_frac_low", "clip_frac_high", "ratio", "kl", "entropy")
+
+
+def lr_factor(step: int, optim: OptimConfig, total_steps: int) -> float:
+    """Multiplier of optim.lr at training step `step` (0-based): linear warmup, then constant/cosine/linear."""
+    if step < optim.warmup_steps:
+        return (step + 1) / optim.warmup_steps
+    if optim.schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - optim.warmup_steps) / max(1, total_steps - optim.warmup_steps))
+    decay = 0.5 * (1.0 + math.cos(math.pi * progress)) if optim.schedule == "cosine" else 1.0 - progress
+    return optim.min_lr_ratio + (1.0 - optim.min_lr_ratio) * decay
+
+
+def load_causal_lm(path: str | Path, device: torch.device, trust_remote_code: bool = False) -> torch.nn.Module:
+    """A Hugging Face causal LM in fp32 (master weights; autocast computes in bf16) with sdpa attention.
+
+    sdpa (and flash-attention where installed) honour packed rows: position ids restarting at 0 become a
+    block-diagonal mask when no attention_mask is given.
+    """
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="sdpa", trust_remote_code=trust_remote_code
+    )
+    return model.to(device)
+
+
+class Actor:
+    """Policy (trained, fp32 master weights, AdamW) and, when algorithm.beta > 0, a frozen reference."""
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        cfg: ActorConfig,
+        optim: OptimConfig,
+        algorithm: AlgorithmConfig,
+        *,
+        total_steps: int,
+        max_response_length: int,
+        temperature: float = 1.0,
+        ctx: DistContext | None = None,
+        trust_remote_code: bool = False,
+    ):
+        """`total_steps`: training steps of the run (the lr schedule's horizon). `max_response_length`:
+        the sampler's max_tokens (Dr. GRPO's normaliser). `temperature`: the sampling temperature, so the
+        learner's logprobs are of the same temperature-scaled distribution the sampler drew from."""
+        if temperature <= 0:
+            raise ValueError(f"temperature={temperature}: logprobs of greedy (0) sampling cannot be trained on")
+        self.cfg, self.optim_cfg, self.algo = cfg, optim, algorithm
+        self.ctx = ctx or DistContext()
+        self.total_steps, self.max_response_length, self.temperature = total_steps, max_response_length, temperature
+        self.model_path = Path(model_path)
+        self.step = 0
+        """Training steps done (one per `update`)."""
+
+        self.policy = load_causal_lm(model_path, self.ctx.device, trust_remote_code)
+        self.policy.train()  # dropout is 0 in LLM configs; train mode is what gradient checkpointing keys on
+        if cfg.gradient_checkpointing:
+            self.policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.reference = None
+        if algorithm.beta > 0:
+            self.reference = load_causal_lm(model_path, self.ctx.device, trust_remote_code).eval()
+            self.reference.requires_grad_(False)
+        if self.ctx.distributed:
+            shard_model(self.policy, cfg.fsdp_reshard_after_forward)
+            if self.reference is not None:
+                shard_model(self.reference, cfg.fsdp_reshard_after_forward)
+        self.pad_id = int(self.policy.config.pad_token_id or 0)
+        self.optimizer = torch.optim.AdamW(
+            self.policy.parameters(), lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: lr_factor(s, self.optim_cfg, self.total_steps)
+        )
+
+    # ---- forwards -------------------------------------------------------------------------------------
+
+    def _autocast(self):
+        if self.cfg.dtype == "float32":
+            return nullcontext()
+        return torch.autocast(device_type=self.ctx.device.type, dtype=torch.bfloat16)
+
+    def _forward(
+        self, model: torch.nn.Module, mb: MicroBatch, entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logprob of each completion token [B, T] (temperature-scaled), and its entropy [B, T] if asked."""
+        with self._autocast():
+            logits = model(
+                input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids, use_cache=False
+            ).logits  # [R, L, V]
+        vocab = logits.shape[-1]
+        # The logits predicting the token at flat position p sit at p - 1 (prompts are never empty).
+        rows = logits.reshape(-1, vocab)[mb.token_index - 1].float() / self.temperature  # [B, T, V]
+        targets = mb.input_ids.reshape(-1)[mb.token_index]  # [B, T]
+        log_z = torch.logsumexp(rows, dim=-1)  # [B, T]
+        logp = rows.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - log_z  # [B, T]
+        ent = None
+        if entropy:
+            with torch.no_grad():
+                ent = log_z - (torch.softmax(rows, dim=-1) * rows).sum(-1)  # [B, T]  H = log Z - E_p[logit]
+        return logp, ent
+
+    def _logprob_batches(self, seqs: list[Sequence]) -> list[MicroBatch]:
+        """No-grad forwards keep no activations for backward, so they take twice the training micro-batch."""
+        budget = self.cfg.logprob_max_tokens_per_micro_batch or 2 * self.cfg.max_tokens_per_micro_batch
+        return micro_batches(
+            seqs, packed=self.cfg.use_dynamic_bsz, micro_batch_size=2 * self.cfg.micro_batch_size_per_device,
+            max_tokens=budget, pad_id=self.pad_id,
+        )
+
+    @torch.no_grad()
+    def _local_logprobs(self, model: torch.nn.Module, seqs: list[Sequence]) -> list[torch.Tensor]:
+        """No-grad logprobs of this rank's sequences (micro-batch counts equalised over ranks for FSDP)."""
+        out: list[torch.Tensor] = [torch.empty(0)] * len(seqs)
+        mbs = self._logprob_batches(seqs) if seqs else []
+        target = all_reduce_max(len(mbs), self.ctx)
+        for k in range(target):
+            mb = mbs[min(k, len(mbs) - 1)].to(self.ctx.device)
+            logp, _ = self._forward(model, mb)
+            if k < len(mbs):
+                for row, i in enumerate(mb.indices):
+                    out[i] = logp[row, : len(seqs[i].completion_ids)].float().cpu()
+        return out
+
+    def compute_logprobs(self, seqs: list[Sequence], reference: bool = False) -> list[torch.Tensor]:
+        """Per-sequence completion logprobs under the policy (or the reference), no grad. Single process:
+        all of `seqs`; distributed: every rank must call it with its own list."""
+        model = self.reference if reference else self.policy
+        if model is None:
+            raise ValueError("no reference model: algorithm.beta is 0")
+        return self._local_logprobs(model, seqs)
+
+    # ---- the update ---------------------------------------------------------------------------------
+
+    def _rank_share(self, seqs: list[Sequence], idx: list[int]) -> list[int]:
+        """Indices (into `seqs`) of this rank's part of the mini-batch `idx`."""
+        if self.cfg.balance_batch and self.ctx.distributed:
+            parts = balance_batch([len(seqs[i]) for i in idx], self.ctx.world_size)
+        else:
+            parts = contiguous_split(len(idx), self.ctx.world_size)
+        return [idx[j] for j in parts[self.ctx.rank]]
+
+    def _loss_tokens(self, s: Sequence) -> int:
+        return 0 if (self.algo.mask_truncated and s.truncated) else len(s.completion_ids)
+
+    def _denominator(self, seqs: list[Sequence]) -> float:
+        """What the aggregation divides by, over `seqs`: tokens (token-mean) or live sequences (seq-means)."""
+        tokens = [self._loss_tokens(s) for s in seqs]
+        return float(sum(tokens)) if self.algo.loss_agg == "token-mean" else float(sum(t > 0 for t in tokens))
+
+    @staticmethod
+    def _rows(values: dict[int, torch.Tensor], mb: MicroBatch) -> torch.Tensor:
+        out = torch.zeros_like(mb.mask)  # [B, T]
+        for row, i in enumerate(mb.indices):
+            v = values[i]
+            out[row, : v.numel()] = v.to(out.device)
+        return out
+
+    def update(self, seqs: list[Sequence], group_size: int) -> dict[str, float]:
+        """One training step on the global batch `seqs` (groups of `group_size`, contiguous); returns metrics.
+
+        Every rank passes the same list. Metrics are means over the step (tokens-weighted where per token).
+        """
+        cfg, algo, ctx = self.cfg, self.algo, self.ctx
+        mini = cfg.ppo_mini_batch_size * group_size
+        if not seqs or len(seqs) % mini:
+            raise ValueError(
+                f"{len(seqs)} sequences do not split into mini-batches of ppo_mini_batch_size={cfg.ppo_mini_batch_size}"
+                f" groups x {group_size}"
+            )
+        if mini % ctx.world_size:
+            raise ValueError(f"a mini-batch of {mini} sequences cannot be split over {ctx.world_size} ranks")
+        needs_sampler = algo.old_logprobs == "sampler" or algo.tis_cap is not None
+        if needs_sampler and any(s.sampler_logprobs is None for s in seqs):
+            raise ValueError("algorithm.old_logprobs=sampler / tis_cap need the sampler's logprobs on every sequence")
+        minis = [list(range(i, i + mini)) for i in range(0, len(seqs), mini)]
+        shares = [self._rank_share(seqs, idx) for idx in minis]
+        local = sorted(i for share in shares for i in share)
+        updates = cfg.ppo_epochs * len(minis)
+
+        t0 = time.perf_counter()
+        ref: dict[int, torch.Tensor] = {}
+        if self.reference is not None:
+            ref = dict(zip(local, self._local_logprobs(self.reference, [seqs[i] for i in local])))
+        old: dict[int, torch.Tensor] = {}
+        if algo.old_logprobs == "recompute" and updates > 1:
+            old = dict(zip(local, self._local_logprobs(self.policy, [seqs[i] for i in local])))
+        t1 = time.perf_counter()
+
+        sums = torch.zeros(len(_TOKEN_STATS) + 5, dtype=torch.float64)  # token stats, tokens, loss, pg, real, padded
+        grad_norms = []
+        for _ in range(cfg.ppo_epochs):
+            for idx, share in zip(minis, shares):
+                denom = self._denominator([seqs[i] for i in idx])
+                grad_norms.append(self._optimizer_update(seqs, share, denom, ref, old, sums))
+        self.scheduler.step()
+        self.step += 1
+        t2 = time.perf_counter()
+
+        all_reduce_sum(sums, ctx)
+        tokens = max(sums[len(_TOKEN_STATS)].item(), 1.0)
+        metrics = {f"actor/{k}": sums[j].item() / tokens for j, k in enumerate(_TOKEN_STATS)}
+        if not cfg.compute_entropy:
+            metrics.pop("actor/entropy")
+        n = len(_TOKEN_STATS)
+        metrics.update({
+            "actor/loss": sums[n + 1].item() / updates,
+            "actor/pg_loss": sums[n + 2].item() / updates,
+            "actor/grad_norm": sum(grad_norms) / len(grad_norms),
+            "actor/lr": self.optimizer.param_groups[0]["lr"],
+            "actor/updates": float(updates),
+            "actor/tokens": sums[n + 3].item(),
+            "actor/padding_frac": 1.0 - sums[n + 3].item() / max(sums[n + 4].item(), 1.0),
+            "timing/logprob_s": t1 - t0,
+            "timing/update_s": t2 - t1,
+        })
+        return metrics
+
+    def _optimizer_update(
+        self,
+        seqs: list[Sequence],
+        share: list[int],
+        denom: float,
+        ref: dict[int, torch.Tensor],
+        old: dict[int, torch.Tensor],
+        sums: torch.Tensor,
+    ) -> float:
+        """Forward/backward over this rank's micro-batches of one mini-batch, then one AdamW step."""
+        cfg, algo, ctx = self.cfg, self.algo, self.ctx
+        local = [seqs[i] for i in share]
+        mbs = micro_batches(
+            local, packed=cfg.use_dynamic_bsz, micro_batch_size=cfg.micro_batch_size_per_device,
+            max_tokens=cfg.max_tokens_per_micro_batch, pad_id=self.pad_id,
+        )
+        # FSDP runs collectives in every forward/backward: all ranks must make the same number of calls.
+        # A rank with fewer packed micro-batches repeats its last one with weight 0.
+        target = all_reduce_max(len(mbs), ctx)
+        n = len(_TOKEN_STATS)
+        for k in range(target):
+            mb = mbs[min(k, len(mbs) - 1)].to(ctx.device)
+            real = k < len(mbs)
+            local_idx = [share[j] for j in mb.indices]  # positions in `seqs`
+            logp, ent = self._forward(self.policy, mb, entropy=cfg.compute_entropy)  # [B, T]
+            mask = mb.mask
+            if algo.mask_truncated:
+                mask = grpo.mask_truncated(mask, mb.truncated)
+            if algo.old_logprobs == "sampler":
+                old_logp = mb.sampler_logp
+            elif old:
+                old_logp = self._rows(old, _reindex(mb, local_idx))
+            else:
+                old_logp = logp.detach()  # one update per step: the policy before it is the policy now
+            ref_logp = self._rows(ref, _reindex(mb, local_idx)) if ref else None
+            is_w = grpo.truncated_is_weights(old_logp, mb.sampler_logp, algo.tis_cap) if algo.tis_cap else None
+            loss, stats = grpo.policy_loss(
+                logp, old_logp, mb.advantages, mask, ref_logp=ref_logp, beta=algo.beta, clip_low=algo.clip_low,
+                clip_high=algo.clip_high, agg=algo.loss_agg, max_response_length=self.max_response_length,
+                is_weights=is_w,
+            )
+            micro_denom = self._denominator([seqs[i] for i in local_idx])
+            # Share of the mini-batch's denominator; x world_size because FSDP averages gradients over ranks.
+            weight = (micro_denom / denom * ctx.world_size) if (real and denom > 0) else 0.0
+            (loss * weight).backward()
+            if not real:
+                continue
+            with torch.no_grad():
+                tok = mask.sum().double().cpu()
+                if ent is not None:
+                    stats["entropy"] = (ent * mask).sum() / mask.sum().clamp(min=1)
+                for j, key in enumerate(_TOKEN_STATS):
+                    if key in stats:
+                        sums[j] += stats[key].double().cpu() * tok
+                sums[n] += tok
+                sums[n + 1] += loss.detach().double().cpu() * weight / ctx.world_size
+                sums[n + 2] += stats["pg_loss"].double().cpu() * weight / ctx.world_size
+                sums[n + 3] += mb.real_tokens
+                sums[n + 4] += mb.padded_tokens
+        max_norm = self.optim_cfg.grad_clip if self.optim_cfg.grad_clip is not None else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), max_norm)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    # ---- weights out ----------------------------------------------------------------------------------
+
+    def named_weights(self, dtype: torch.dtype = torch.bfloat16) -> Iterator[tuple[str, torch.Tensor]]:
+        """(Hugging Face name, full tensor on CPU in `dtype`) of every policy parameter, for publishing.
+
+        Every rank must iterate it (under FSDP2 each tensor is all-gathered with `full_tensor()`, one
+        parameter at a time, so peak extra memory is one full tensor); only rank 0 receives the pairs, the
+        others iterate nothing. Tied weights appear once (e.g. lm_head tied to embed_tokens), as in the
+        model's safetensors.
+        """
+        for name, param in self.policy.named_parameters():
+            t = param.detach()
+            if isinstance(t, DTensor):
+                t = t.full_tensor()
+            if self.ctx.is_main:
+                yield name, t.to(device="cpu", dtype=dtype)
+
+
+def _reindex(mb: MicroBatch, positions: list[int]) -> MicroBatch:
+    """The same micro-batch with `indices` naming positions in the step's list (for the logprob lookups)."""
+    return MicroBatch(
+        mb.input_ids, mb.position_ids, mb.attention_mask, mb.token_index, mb.mask, mb.advantages, mb.sampler_logp,
+        mb.truncated, positions, mb.padded_tokens, mb.real_tokens,
+    )
