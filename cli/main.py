@@ -82,7 +82,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"dgrpo {args.command}: {e}", file=sys.stderr)
         return 2
-    return int(_resolve(COMMANDS[args.command][2])(cfg) or 0)
+    try:
+        return int(_resolve(COMMANDS[args.command][2])(cfg) or 0)
+    except (ConfigError, FileNotFoundError) as e:  # bad paths surface at start, as one clear line
+        print(f"dgrpo {args.command}: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

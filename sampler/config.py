@@ -48,7 +48,7 @@ class SamplerConfig(StrictConfig):
     logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = "processed_logprobs"
     """Which distribution the returned logprobs come from. processed: after temperature (and top-k/top-p), the
     distribution tokens are drawn from, which the learner reproduces; raw: the model's own softmax."""
-    kv_cache_space_gib: float | None = Field(default=None, gt=0)
+    kv_cache_space_gib: int | None = Field(default=None, ge=1)
     """CPU backend only: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE; default 1 GiB here)."""
 
     # --- serving ---

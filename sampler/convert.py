@@ -1,0 +1,78 @@
+"""Proto <-> domain conversions of the sampler, in one place (round-trip tested)."""
+
+from __future__ import annotations
+
+from dgrpo.sampler.engine import CompletionResult, GroupResult, PromptInput, SamplingRequest
+from dgrpo.v1 import sampler_pb2 as pb
+
+FINISH_TO_PB = {
+    "stop": pb.FINISH_REASON_STOP,
+    "length": pb.FINISH_REASON_LENGTH,
+    "abort": pb.FINISH_REASON_ABORT,
+}
+FINISH_FROM_PB = {v: k for k, v in FINISH_TO_PB.items()}
+
+
+def prompt_from_pb(p: pb.Prompt) -> PromptInput:
+    which = p.WhichOneof("input")
+    if which == "text":
+        return PromptInput(id=p.id, text=p.text)
+    if which == "chat":
+        return PromptInput(id=p.id, chat=[(m.role, m.content) for m in p.chat.messages])
+    if which == "token_ids":
+        return PromptInput(id=p.id, token_ids=list(p.token_ids.ids))
+    return PromptInput(id=p.id)  # no input: the engine rejects it with the prompt's id
+
+
+def sampling_from_pb(s: pb.SamplingParams) -> SamplingRequest:
+    return SamplingRequest(
+        n=s.n,
+        temperature=s.temperature if s.HasField("temperature") else 1.0,
+        top_p=s.top_p if s.HasField("top_p") else 1.0,
+        top_k=s.top_k if s.HasField("top_k") else 0,
+        min_p=s.min_p if s.HasField("min_p") else 0.0,
+        max_tokens=s.max_tokens,
+        stop=list(s.stop),
+        stop_token_ids=list(s.stop_token_ids),
+        seed=s.seed if s.HasField("seed") else None,
+    )
+
+
+def sampling_to_pb(s: SamplingRequest) -> pb.SamplingParams:
+    msg = pb.SamplingParams(
+        n=s.n, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p, max_tokens=s.max_tokens,
+        stop=s.stop, stop_token_ids=s.stop_token_ids,
+    )
+    if s.seed is not None:
+        msg.seed = s.seed
+    return msg
+
+
+def group_to_pb(g: GroupResult, replica_id: str) -> pb.Group:
+    return pb.Group(
+        prompt_id=g.prompt_id,
+        prompt_token_ids=g.prompt_token_ids,
+        replica_id=replica_id,
+        completions=[
+            pb.Completion(
+                token_ids=c.token_ids,
+                logprobs=c.logprobs,
+                text=c.text,
+                finish_reason=FINISH_TO_PB[c.finish_reason],
+                weight_version=c.weight_version,
+            )
+            for c in g.completions
+        ],
+    )
+
+
+def group_from_pb(g: pb.Group) -> GroupResult:
+    return GroupResult(
+        prompt_id=g.prompt_id,
+        prompt_token_ids=list(g.prompt_token_ids),
+        completions=[
+            CompletionResult(list(c.token_ids), list(c.logprobs), c.text, FINISH_FROM_PB[c.finish_reason],
+                             c.weight_version)
+            for c in g.completions
+        ],
+    )

