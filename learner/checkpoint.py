@@ -1,0 +1,196 @@
+"""Checkpoints that resume a run exactly, and the export to a Hugging Face folder for deployment.
+
+A checkpoint is a folder `<checkpoint.dir>/step_<N>/`:
+  model.pt        full (unsharded) fp32 policy state dict, Hugging Face names          (contents: model)
+  optimizer.pt    AdamW state keyed by parameter name                                 (contents: optimizer)
+  scheduler.pt    the lr scheduler's position                                          (contents: optimizer)
+  extra.pt        the loop's `extra` dict (data position, ...), the actor's step        (contents: extra)
+  rng_<rank>.pt   python / numpy / torch (and device) RNG states of each rank          (contents: extra)
+  meta.json       step, contents, world size; written last, so a folder without it is incomplete
+Full state dicts keyed by names (torch.distributed.checkpoint.state_dict) make a checkpoint independent of
+the number of ranks it was written with. It is written to step_<N>.tmp and renamed when complete; with
+several hosts, checkpoint.dir must be on a shared filesystem.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from dgrpo.learner.actor import Actor
+from dgrpo.learner.actor_config import CheckpointConfig
+
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used (missing, incomplete, lacking what was asked)."""
+
+
+def _barrier(actor: Actor) -> None:
+    if actor.ctx.distributed:
+        dist.barrier()
+
+
+def _save_options(actor: Actor) -> StateDictOptions:
+    # Gathered to rank 0's CPU only: other ranks get empty dicts and never hold a full copy.
+    return StateDictOptions(full_state_dict=True, cpu_offload=actor.ctx.distributed)
+
+
+def _load_options(actor: Actor) -> StateDictOptions:
+    # Rank 0 reads the files and broadcasts (other ranks pass empty dicts).
+    return StateDictOptions(full_state_dict=True, broadcast_from_rank0=actor.ctx.distributed)
+
+
+def _rng_state(device: torch.device) -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if device.type != "cpu":
+        state[device.type] = getattr(torch, device.type).get_rng_state(device)
+    return state
+
+
+def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if device.type in state:
+        getattr(torch, device.type).set_rng_state(state[device.type], device)
+
+
+def full_model_state(actor: Actor) -> dict[str, torch.Tensor]:
+    """The policy's unsharded state dict (on rank 0; empty elsewhere). Collective: every rank calls it."""
+    return get_model_state_dict(actor.policy, options=_save_options(actor))
+
+
+def save_checkpoint(
+    actor: Actor, cfg: CheckpointConfig, step: int, extra: dict[str, Any] | None = None
+) -> Path:
+    """Write `<cfg.dir>/step_<step>` with cfg.contents; every rank calls it. Returns the folder."""
+    root = Path(cfg.dir)
+    final, tmp = root / f"step_{step}", root / f"step_{step}.tmp"
+    ctx = actor.ctx
+    if ctx.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _barrier(actor)
+    if "model" in cfg.contents:
+        model_sd = full_model_state(actor)
+        if ctx.is_main:
+            torch.save(model_sd, tmp / "model.pt")
+        del model_sd
+    if "optimizer" in cfg.contents:
+        optim_sd = get_optimizer_state_dict(actor.policy, actor.optimizer, options=_save_options(actor))
+        if ctx.is_main:
+            torch.save(optim_sd, tmp / "optimizer.pt")
+            torch.save(actor.scheduler.state_dict(), tmp / "scheduler.pt")
+        del optim_sd
+    if "extra" in cfg.contents:
+        torch.save(_rng_state(ctx.device), tmp / f"rng_{ctx.rank}.pt")
+        if ctx.is_main:
+            torch.save({"step": actor.step, "extra": extra or {}}, tmp / "extra.pt")
+    _barrier(actor)
+    if ctx.is_main:
+        meta = {"step": step, "contents": list(cfg.contents), "world_size": ctx.world_size}
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+        if cfg.keep_last is not None:
+            for old in list_checkpoints(root)[: -cfg.keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
+    _barrier(actor)
+    return final
+
+
+def list_checkpoints(root: str | Path) -> list[Path]:
+    """Complete checkpoints under `root`, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name))]
+    return [p for _, p in sorted(found) if (p / "meta.json").is_file()]
+
+
+def resume_path(cfg: CheckpointConfig) -> Path | None:
+    """The checkpoint `cfg.resume` asks for: auto -> the newest complete one (or None), never -> None, or a path."""
+    if cfg.resume == "never":
+        return None
+    if cfg.resume == "auto":
+        found = list_checkpoints(cfg.dir)
+        return found[-1] if found else None
+    path = Path(cfg.resume)
+    if not (path / "meta.json").is_file():
+        raise CheckpointError(f"checkpoint.resume={cfg.resume!r} is not a complete checkpoint folder (no meta.json)")
+    return path
+
+
+def load_checkpoint(actor: Actor, path: str | Path) -> dict[str, Any]:
+    """Restore what the checkpoint holds into `actor` (and the RNGs); return the loop's `extra` dict."""
+    path, ctx = Path(path), actor.ctx
+    meta_file = path / "meta.json"
+    if not meta_file.is_file():
+        raise CheckpointError(f"{path} is not a complete checkpoint (no meta.json)")
+    meta = json.loads(meta_file.read_text())
+    contents = meta["contents"]
+    if "model" in contents:
+        sd = torch.load(path / "model.pt", map_location="cpu", weights_only=True) if ctx.is_main else {}
+        set_model_state_dict(actor.policy, sd, options=_load_options(actor))
+        del sd
+    if "optimizer" in contents:
+        osd = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=False) if ctx.is_main else {}
+        set_optimizer_state_dict(actor.policy, actor.optimizer, osd, options=_load_options(actor))
+        del osd
+        actor.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
+    extra: dict[str, Any] = {}
+    if "extra" in contents:
+        blob = torch.load(path / "extra.pt", map_location="cpu", weights_only=False)
+        actor.step, extra = blob["step"], blob["extra"]
+        rng_file = path / f"rng_{ctx.rank}.pt"
+        if not rng_file.is_file():  # resumed on more ranks than saved: reuse rank 0's streams
+            rng_file = path / "rng_0.pt"
+        _set_rng_state(torch.load(rng_file, map_location="cpu", weights_only=False), ctx.device)
+    else:
+        actor.step = meta["step"]
+    _barrier(actor)
+    return extra
+
+
+def export_hf(actor: Actor, out_dir: str | Path, dtype: str = "bfloat16") -> Path:
+    """Write the policy as a Hugging Face folder (config, tokenizer + chat template, generation config,
+    safetensors in `dtype`) that `AutoModelForCausalLM.from_pretrained` and `vllm serve` load. Collective."""
+    from transformers import AutoTokenizer
+
+    out = Path(out_dir)
+    sd = full_model_state(actor)
+    if actor.ctx.is_main:
+        torch_dtype = getattr(torch, dtype)
+        config = copy.deepcopy(actor.policy.config)
+        tied = getattr(actor.policy, "all_tied_weights_keys", None) or {}
+        if getattr(config, "tie_word_embeddings", False):
+            sd = {k: v for k, v in sd.items() if k not in tied}  # written once, under the source's name
+        out.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.to(torch_dtype).contiguous() for k, v in sd.items()}, out / "model.safetensors",
+                  metadata={"format": "pt"})
+        config.dtype = torch_dtype
+        config.save_pretrained(out)
+        if actor.policy.generation_config is not None:
+            actor.policy.generation_config.save_pretrained(out)
+        AutoTokenizer.from_pretrained(actor.model_path).save_pretrained(out)
+    _barrier(actor)
+    return out
