@@ -12,6 +12,8 @@ from collections.abc import Callable
 
 from dgrpo.common.config import ConfigError, describe, load_config, to_yaml
 
+# Commands that drive the whole stack also run StackConfig.check_whole_stack().
+WHOLE_STACK = {"learner"}
 # command -> (one-line purpose, config sections shown in --help, "module:function" run with the StackConfig)
 COMMANDS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "sampler": ("serve one sampler replica (vLLM engine over gRPC)", ("model", "sampler", "weights"),
@@ -79,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         cfg = load_config(StackConfig, args.config, args.overrides)
+        if args.command in WHOLE_STACK:
+            cfg.check_whole_stack()
     except ConfigError as e:
         print(f"dgrpo {args.command}: {e}", file=sys.stderr)
         return 2

@@ -6,9 +6,9 @@ that span components (e.g. prompt + response lengths must fit the sampler's cont
 
 from __future__ import annotations
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
-from dgrpo.common.config import StrictConfig
+from dgrpo.common.config import ConfigError, StrictConfig
 from dgrpo.common.model_config import ModelConfig
 from dgrpo.learner.config import LearnerConfig
 from dgrpo.rewarder.config import RewarderConfig
@@ -30,12 +30,14 @@ class StackConfig(StrictConfig):
     weights: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
     """Weight sync from the learner to every sampler."""
 
-    @model_validator(mode="after")
-    def _cross_checks(self) -> StackConfig:
+    def check_whole_stack(self) -> None:
+        """Checks that span services, run by the commands that drive the whole stack (learner, up).
+
+        Not a validator: a lone `dgrpo sampler` or `dgrpo rewarder` must not fail on the learner's settings.
+        """
         prompt, response = self.learner.data.max_prompt_length, self.learner.rollout.max_response_length
         if prompt + response > self.sampler.max_model_len:
-            raise ValueError(
+            raise ConfigError(
                 f"learner.data.max_prompt_length={prompt} + learner.rollout.max_response_length={response} exceeds "
                 f"sampler.max_model_len={self.sampler.max_model_len}: the samplers could not hold a full sequence"
             )
-        return self
