@@ -1,0 +1,175 @@
+"""The actor on the tiny model (CPU, fp32 unless stated): logprobs, the update's invariances, learning direction."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from dgrpo.learner.actor import Actor, lr_factor
+from dgrpo.learner.actor_config import ActorConfig, AlgorithmConfig, OptimConfig
+from dgrpo.learner.batch import Sequence, collate, split_by_tokens
+
+
+def make_seqs(n: int = 8, seed: int = 0) -> list[Sequence]:
+    """n sequences of varied prompt and completion lengths (groups of 4), advantages +-1, sampler logprobs."""
+    g = torch.Generator().manual_seed(seed)
+    seqs = []
+    for i in range(n):
+        p, c = 3 + i % 3, 2 + (i * 3) % 5
+        ids = torch.randint(5, 1000, (p + c,), generator=g).tolist()
+        seqs.append(Sequence(ids[:p], ids[p:], 1.0 if i % 2 else -1.0, [-7.0] * c, truncated=i == 5))
+    return seqs
+
+
+def make_actor(path, **kw) -> Actor:
+    actor_kw = {"ppo_mini_batch_size": 2, "micro_batch_size_per_device": 4, "dtype": "float32"}
+    actor_kw.update(kw.pop("actor", {}))
+    return Actor(
+        path,
+        ActorConfig(**actor_kw),
+        OptimConfig(**{"lr": 1e-3, **kw.pop("optim", {})}),
+        AlgorithmConfig(**kw.pop("algorithm", {})),
+        total_steps=10,
+        max_response_length=8,
+        **kw,
+    )
+
+
+def params(actor: Actor) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in actor.policy.named_parameters()}
+
+
+def test_logprobs_match_a_plain_forward(tiny_model):
+    actor = make_actor(tiny_model, temperature=0.7)
+    seqs = make_seqs(3)
+    got = actor.compute_logprobs(seqs)
+    for s, lp in zip(seqs, got):
+        ids = torch.tensor([s.prompt_ids + s.completion_ids])
+        with torch.no_grad():
+            logits = actor.policy(input_ids=ids).logits[0].float() / 0.7  # [L, V]
+        p = len(s.prompt_ids)
+        want = torch.log_softmax(logits[p - 1 : -1], -1).gather(-1, torch.tensor(s.completion_ids)[:, None])[:, 0]
+        torch.testing.assert_close(lp, want, atol=1e-5, rtol=1e-5)
+
+
+def test_packing_removes_padding_and_keeps_the_update(tiny_model):
+    """padded x1, padded x4 (grad accumulation) and packed by tokens give the same update and metrics."""
+    seqs = make_seqs(8)
+    results = []
+    for actor_kw in (
+        {"micro_batch_size_per_device": 1},
+        {"micro_batch_size_per_device": 4},
+        {"use_dynamic_bsz": True, "max_tokens_per_micro_batch": 20},
+    ):
+        actor = make_actor(tiny_model, actor=actor_kw)
+        before = params(actor)
+        metrics = actor.update(seqs, group_size=4)
+        results.append((params(actor), metrics))
+    assert any(not torch.equal(before[k], results[0][0][k]) for k in before)
+    for p, m in results[1:]:
+        for k in p:
+            torch.testing.assert_close(p[k], results[0][0][k], atol=2e-6, rtol=1e-5)
+        assert m["actor/loss"] == pytest.approx(results[0][1]["actor/loss"], abs=1e-6)
+    assert results[0][1]["actor/padding_frac"] == 0.0  # one sequence per row: no padding
+    assert results[1][1]["actor/padding_frac"] > 0.1
+    assert results[2][1]["actor/padding_frac"] == 0.0
+
+
+def test_first_update_is_on_policy(tiny_model):
+    actor = make_actor(tiny_model, actor={"ppo_mini_batch_size": 2}, algorithm={"beta": 0.05})
+    m = actor.update(make_seqs(8), group_size=4)
+    assert m["actor/updates"] == 1
+    assert m["actor/ratio"] == pytest.approx(1.0, abs=1e-6)
+    assert m["actor/clip_frac_low"] == m["actor/clip_frac_high"] == 0.0
+    assert m["actor/kl"] == pytest.approx(0.0, abs=1e-7)  # policy == reference before the first update
+    assert math.isfinite(m["actor/entropy"]) and m["actor/entropy"] > 0
+    m2 = actor.update(make_seqs(8, seed=1), group_size=4)
+    assert m2["actor/kl"] > 0  # the policy has moved away from the frozen reference
+
+
+def test_later_mini_batches_are_off_policy(tiny_model):
+    actor = make_actor(tiny_model, actor={"ppo_mini_batch_size": 1, "ppo_epochs": 2})
+    m = actor.update(make_seqs(8), group_size=4)
+    assert m["actor/updates"] == 4
+    assert m["actor/ratio"] != pytest.approx(1.0, abs=1e-6)
+
+
+def test_updates_move_logprobs_in_the_advantage_direction(tiny_model):
+    actor = make_actor(tiny_model, optim={"lr": 1e-2})
+    seqs = make_seqs(8)
+    before = actor.compute_logprobs(seqs)
+    for _ in range(3):
+        actor.update(seqs, group_size=4)
+    after = actor.compute_logprobs(seqs)
+    for s, b, a in zip(seqs, before, after):
+        assert (a.sum() - b.sum()).item() * s.advantage > 0
+
+
+def test_sampler_old_logprobs_and_tis(tiny_model):
+    seqs = make_seqs(8)  # sampler logprob -7 per token, the policy's is about -log(vocab) = -10.8
+    m = make_actor(tiny_model, algorithm={"old_logprobs": "sampler"}).update(seqs, group_size=4)
+    assert m["actor/ratio"] < 0.1  # exp(-10.8 + 7)
+    m = make_actor(tiny_model, algorithm={"tis_cap": 2.0, "mask_truncated": True}).update(seqs, group_size=4)
+    assert math.isfinite(m["actor/loss"])
+
+
+def test_bf16_autocast_and_gradient_checkpointing(tiny_model):
+    seqs = make_seqs(8)
+    plain = make_actor(tiny_model)
+    plain.update(seqs, group_size=4)
+    ckpt = make_actor(tiny_model, actor={"gradient_checkpointing": True})
+    ckpt.update(seqs, group_size=4)
+    for (n, a), b in zip(params(plain).items(), params(ckpt).values()):
+        torch.testing.assert_close(a, b, atol=2e-6, rtol=1e-5, msg=n)
+    m = make_actor(tiny_model, actor={"dtype": "bfloat16"}).update(seqs, group_size=4)
+    assert math.isfinite(m["actor/loss"]) and math.isfinite(m["actor/grad_norm"])
+
+
+def test_named_weights_are_the_checkpoint_names(tiny_model):
+    actor = make_actor(tiny_model)
+    weights = dict(actor.named_weights(torch.bfloat16))
+    with safe_open(str(tiny_model / "model.safetensors"), "pt") as f:
+        assert set(weights) == set(f.keys()) - {"lm_head.weight"}  # tied to embed_tokens: published once
+        name = "model.layers.0.self_attn.q_proj.weight"
+        assert weights[name].dtype == torch.bfloat16
+        torch.testing.assert_close(weights[name], f.get_tensor(name).to(torch.bfloat16))
+
+
+def test_bad_batches_are_named(tiny_model):
+    actor = make_actor(tiny_model)
+    with pytest.raises(ValueError, match="ppo_mini_batch_size=2"):
+        actor.update(make_seqs(4), group_size=4)
+    seqs = [Sequence(s.prompt_ids, s.completion_ids, s.advantage) for s in make_seqs(8)]
+    with pytest.raises(ValueError, match="sampler's logprobs"):
+        make_actor(tiny_model, algorithm={"old_logprobs": "sampler"}).update(seqs, group_size=4)
+    with pytest.raises(ValueError, match="sampler_logprobs has 1 values for 2 tokens"):
+        Sequence([1], [2, 3], 0.0, [-1.0])
+
+
+def test_lr_schedule():
+    warm = OptimConfig(lr=1.0, warmup_steps=4, schedule="cosine", min_lr_ratio=0.1)
+    assert [lr_factor(s, warm, 14) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert lr_factor(4, warm, 14) == pytest.approx(1.0)
+    assert lr_factor(9, warm, 14) == pytest.approx(0.1 + 0.9 * 0.5)  # halfway through the decay
+    assert lr_factor(14, warm, 14) == pytest.approx(0.1)
+    lin = OptimConfig(schedule="linear")
+    assert lr_factor(5, lin, 10) == pytest.approx(0.5)
+    assert lr_factor(7, OptimConfig(), 10) == 1.0
+
+
+def test_packing_layout():
+    seqs = [Sequence([1, 2], [3, 4, 5], 1.0), Sequence([6], [7], -1.0)]
+    mb = collate(seqs, [0, 1], packed=True)
+    assert mb.input_ids.tolist() == [[1, 2, 3, 4, 5, 6, 7]]
+    assert mb.position_ids.tolist() == [[0, 1, 2, 3, 4, 0, 1]]
+    assert mb.token_index.tolist() == [[2, 3, 4], [6, 0, 0]]
+    assert mb.mask.tolist() == [[1, 1, 1], [1, 0, 0]]
+    padded = collate(seqs, [0, 1], packed=False, pad_id=0)
+    assert padded.input_ids.tolist() == [[1, 2, 3, 4, 5], [6, 7, 0, 0, 0]]
+    assert padded.token_index.tolist() == [[2, 3, 4], [6, 0, 0]]
+    assert padded.padded_tokens == 10 and padded.real_tokens == 7
+    # first-fit decreasing, budget 10: 12 alone, then 6+4 and 5+3
+    assert sorted(map(sorted, split_by_tokens([6, 5, 4, 3, 12], 10))) == [[0, 2], [1, 3], [4]]
