@@ -85,8 +85,11 @@ def resolve_model_path(path: str | None) -> Path:
     return folder
 
 
-def make_tiny_model(target: Path, *, hidden_size: int = 64, layers: int = 2, seed: int = 0) -> Path:
-    """A tiny random Llama with the bundled model's tokenizer: same vocabulary, seconds to load (tests)."""
+def make_tiny_model(target: Path, *, hidden_size: int = 128, layers: int = 2, seed: int = 0) -> Path:
+    """A tiny random Llama with the bundled model's tokenizer: same vocabulary, seconds to load (tests).
+
+    head_dim stays 64 (SmolLM2's): vLLM's CPU attention kernels support only some head sizes (16 fails).
+    """
     if _is_complete(target):
         return target
     import torch
@@ -99,9 +102,9 @@ def make_tiny_model(target: Path, *, hidden_size: int = 64, layers: int = 2, see
         hidden_size=hidden_size,
         intermediate_size=hidden_size * 2,
         num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=hidden_size // 4,
+        num_attention_heads=hidden_size // 64,
+        num_key_value_heads=1,
+        head_dim=64,
         max_position_embeddings=2048,
         tie_word_embeddings=True,
         bos_token_id=tokenizer.bos_token_id,

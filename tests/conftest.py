@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from support import ServiceProcess, free_port
 
-TINY_MODEL_DIR = Path(os.environ.get("DGRPO_CACHE", Path.home() / ".cache" / "dgrpo")) / "models" / "tiny-llama-test"
+TINY_MODEL_DIR = Path(os.environ.get("DGRPO_CACHE", Path.home() / ".cache" / "dgrpo")) / "models" / "tiny-llama-h64"
 
 
 @pytest.fixture(scope="session")
