@@ -229,6 +229,7 @@ class Actor:
             for idx, share in zip(minis, shares):
                 denom = self._denominator([seqs[i] for i in idx])
                 grad_norms.append(self._optimizer_update(seqs, share, denom, ref, old, sums))
+        lr = self.optimizer.param_groups[0]["lr"]  # the lr this step used
         self.scheduler.step()
         self.step += 1
         t2 = time.perf_counter()
@@ -243,7 +244,7 @@ class Actor:
             "actor/loss": sums[n + 1].item() / updates,
             "actor/pg_loss": sums[n + 2].item() / updates,
             "actor/grad_norm": sum(grad_norms) / len(grad_norms),
-            "actor/lr": self.optimizer.param_groups[0]["lr"],
+            "actor/lr": lr,
             "actor/updates": float(updates),
             "actor/tokens": sums[n + 3].item(),
             "actor/padding_frac": 1.0 - sums[n + 3].item() / max(sums[n + 4].item(), 1.0),

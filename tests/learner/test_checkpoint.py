@@ -1,0 +1,108 @@
+"""Checkpoints: resuming gives exactly the uninterrupted run's next update; pruning, resume choice, export."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dgrpo.learner.actor import Actor
+from dgrpo.learner.actor_config import ActorConfig, AlgorithmConfig, CheckpointConfig, OptimConfig
+from dgrpo.learner.batch import Sequence
+from dgrpo.learner.checkpoint import (
+    CheckpointError,
+    export_hf,
+    list_checkpoints,
+    load_checkpoint,
+    resume_path,
+    save_checkpoint,
+)
+
+
+def batch(seed: int) -> list[Sequence]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        Sequence(torch.randint(5, 900, (3,), generator=g).tolist(), torch.randint(5, 900, (2 + i % 3,), generator=g)
+                 .tolist(), (-1.0) ** i)
+        for i in range(8)
+    ]
+
+
+def make_actor(path) -> Actor:
+    return Actor(
+        path,
+        ActorConfig(ppo_mini_batch_size=1, dtype="float32"),  # 2 AdamW updates per step
+        OptimConfig(lr=1e-3, warmup_steps=3, schedule="cosine"),
+        AlgorithmConfig(beta=0.05),
+        total_steps=5,
+        max_response_length=4,
+    )
+
+
+def weights(actor: Actor) -> dict[str, torch.Tensor]:
+    return dict(actor.named_weights(torch.float32))
+
+
+def test_resume_continues_exactly(tiny_model, tmp_path):
+    cfg = CheckpointConfig(dir=str(tmp_path / "ck"))
+    run = make_actor(tiny_model)
+    run.update(batch(1), group_size=4)
+    save_checkpoint(run, cfg, step=1, extra={"data_position": 8})
+    rng_after_save = torch.rand(3)
+    metrics = run.update(batch(2), group_size=4)  # the uninterrupted run's step 2
+
+    resumed = make_actor(tiny_model)
+    extra = load_checkpoint(resumed, resume_path(cfg))
+    assert extra == {"data_position": 8} and resumed.step == 1
+    assert torch.equal(torch.rand(3), rng_after_save)  # RNG restored to the moment of saving
+    resumed_metrics = resumed.update(batch(2), group_size=4)
+    assert resumed_metrics["actor/lr"] == metrics["actor/lr"] == pytest.approx(2e-3 / 3)  # the schedule continued
+    assert resumed_metrics["actor/loss"] == metrics["actor/loss"]
+    for (name, a), b in zip(weights(run).items(), weights(resumed).values()):
+        assert torch.equal(a, b), name
+
+
+def test_model_only_checkpoint_restarts_the_optimizer(tiny_model, tmp_path):
+    cfg = CheckpointConfig(dir=str(tmp_path), contents=["model"])
+    actor = make_actor(tiny_model)
+    actor.update(batch(1), group_size=4)
+    path = save_checkpoint(actor, cfg, step=3)
+    assert sorted(p.name for p in path.iterdir()) == ["meta.json", "model.pt"]
+    fresh = make_actor(tiny_model)
+    assert load_checkpoint(fresh, path) == {}
+    assert fresh.step == 3 and fresh.optimizer.state_dict()["state"] == {}
+    for (name, a), b in zip(weights(actor).items(), weights(fresh).values()):
+        assert torch.equal(a, b), name
+
+
+def test_keep_last_and_resume_choice(tiny_model, tmp_path):
+    actor = make_actor(tiny_model)
+    cfg = CheckpointConfig(dir=str(tmp_path), keep_last=2, contents=["extra"])
+    for step in (1, 2, 3):
+        save_checkpoint(actor, cfg, step=step)
+    (tmp_path / "step_9").mkdir()  # no meta.json: an interrupted save is never resumed from
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_2", "step_3"]
+    assert resume_path(cfg) == tmp_path / "step_3"
+    assert resume_path(cfg.model_copy(update={"resume": "never"})) is None
+    assert resume_path(CheckpointConfig(dir=str(tmp_path / "empty"))) is None
+    assert resume_path(cfg.model_copy(update={"resume": str(tmp_path / "step_2")})) == tmp_path / "step_2"
+    with pytest.raises(CheckpointError, match="step_9"):
+        resume_path(cfg.model_copy(update={"resume": str(tmp_path / "step_9")}))
+    assert json.loads((tmp_path / "step_3" / "meta.json").read_text())["world_size"] == 1
+
+
+def test_export_loads_in_transformers(tiny_model, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    actor = make_actor(tiny_model)
+    actor.update(batch(1), group_size=4)
+    out = export_hf(actor, tmp_path / "export")
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.config.dtype == torch.bfloat16
+    trained = weights(actor)
+    for name, tensor in model.state_dict().items():
+        source = "model.embed_tokens.weight" if name == "lm_head.weight" else name
+        torch.testing.assert_close(tensor, trained[source].to(torch.bfloat16), msg=name)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert tokenizer.chat_template  # the deployment keeps the chat format it was trained with
