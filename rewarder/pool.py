@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import socket
 import subprocess
@@ -48,6 +49,14 @@ def _exit_reason(proc: subprocess.Popen) -> str:
     return f"exit code {code}"
 
 
+def worker_env(size: int) -> dict[str, str]:
+    """The workers' environment: CPU threads split between them (torch and numpy default to every core each,
+    and `size` workers oversubscribing the cores is slower than one); a user's OMP_NUM_THREADS wins."""
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // size)))
+    return env
+
+
 class _Worker:
     """One worker process and its connection (blocking methods: run them in a thread)."""
 
@@ -55,10 +64,11 @@ class _Worker:
         self.proc, self.conn = proc, conn
 
     @classmethod
-    def spawn(cls, snap: SpecSnapshot, load_timeout: float) -> _Worker:
+    def spawn(cls, snap: SpecSnapshot, load_timeout: float, size: int) -> _Worker:
         ours, theirs = socket.socketpair()
         proc = subprocess.Popen(
-            [sys.executable, "-m", "dgrpo.rewarder.worker", str(theirs.fileno())], pass_fds=[theirs.fileno()]
+            [sys.executable, "-m", "dgrpo.rewarder.worker", str(theirs.fileno())], pass_fds=[theirs.fileno()],
+            env=worker_env(size),
         )
         theirs.close()
         worker = cls(proc, Connection(ours.detach()))
@@ -120,7 +130,7 @@ class WorkerPool:
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         results = await asyncio.gather(
-            *[loop.run_in_executor(self._executor, _Worker.spawn, self.snap, self.load_timeout)
+            *[loop.run_in_executor(self._executor, _Worker.spawn, self.snap, self.load_timeout, self.size)
               for _ in range(self.size)],
             return_exceptions=True,
         )
@@ -178,7 +188,9 @@ class WorkerPool:
         while not self._closed:
             started = time.monotonic()
             try:
-                worker = await loop.run_in_executor(self._executor, _Worker.spawn, self.snap, self.load_timeout)
+                worker = await loop.run_in_executor(
+                    self._executor, _Worker.spawn, self.snap, self.load_timeout, self.size
+                )
             except SpecError as e:
                 log.error("could not replace a reward worker (retrying in %.0fs): %s", delay, e)
                 await asyncio.sleep(delay)

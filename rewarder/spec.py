@@ -153,7 +153,8 @@ def _load_user_function(f: FileFunction, snap: SpecSnapshot):
             sys.path.insert(0, str(Path(path).parent))
         sys.modules[module_name] = module
         try:
-            exec(compile(source, path, "exec"), module.__dict__)  # noqa: S102 - running the user's reward file is the point
+            # Running the user's reward file is the point (in a worker process, never in the server).
+            exec(compile(source, path, "exec"), module.__dict__)  # noqa: S102
         except BaseException as e:  # noqa: BLE001 - user code: any failure is a load error, SystemExit included
             del sys.modules[module_name]
             raise SpecError(f"{label} does not import: {type(e).__name__}: {e}") from None

@@ -60,7 +60,8 @@ def test_rewarder_service_end_to_end(tmp_path, service_factory, free_port):
     write_spec(1.0)
     port, metrics_port = free_port(), free_port()
     svc = service_factory("rewarder", [
-        f"rewarder.port={port}", f"rewarder.spec_file={spec_file}", "rewarder.workers=1", f"rewarder.metrics_port={metrics_port}",
+        f"rewarder.port={port}", f"rewarder.spec_file={spec_file}", "rewarder.workers=1",
+        f"rewarder.metrics_port={metrics_port}",
         "rewarder.host=127.0.0.1", "rewarder.grace_s=5",
     ], port=port)
     assert _first_health_answer(svc.address) == health_pb2.HealthCheckResponse.NOT_SERVING
