@@ -6,8 +6,13 @@
 Two slots: version v goes to the slot not holding v-1, so samplers still loading v-1 are not disturbed while v is
 written; a sampler that lags two versions behind sees the slot's sequence lock change and rejects the torn read
 (it then loads the newest version instead). The learner never tracks replicas: announcements go out on a pyzmq
-XPUB socket (any number of subscribers), and a REP control socket answers "latest" (late joiners) and, for the
-tcp transport, "fetch" (the slot bytes).
+XPUB socket (any number of subscribers), and a REP control socket answers "latest" and, for the tcp transport,
+"fetch" (the slot bytes).
+
+Late joiners: PUB/SUB drops whatever was sent before a subscription reached the publisher. The XPUB socket sees
+each subscription arrive and answers it by re-sending the latest announcement (version 0 if none yet), so a new
+subscriber learns the current version the moment its subscription is live, with no gap in between. Sockets are
+not thread-safe: one control thread owns XPUB and REP; publish() hands announcements to it over an inproc pipe.
 """
 
 from __future__ import annotations
@@ -32,7 +37,6 @@ from dgrpo.weights.slot import SlotWriter, dtype_name
 log = logging.getLogger(__name__)
 
 TOPIC = b"weights"
-WELCOME = b"dgrpo-weights-welcome"  # sent by XPUB to each new subscriber: "your subscription is live"
 
 
 @dataclass
@@ -79,7 +83,7 @@ class WeightPublisher:
 
     def __init__(self, cfg: WeightSyncConfig, run_id: str, dtype: str | torch.dtype = "bfloat16"):
         if not RUN_ID.match(run_id):
-            raise ValueError(f"run_id={run_id!r}: use 1-64 characters from A-Z a-z 0-9 _ . (it names shm segments)")
+            raise ValueError(f"run_id={run_id!r}: use 1-64 characters from A-Z a-z 0-9 _ . - (it names shm segments)")
         self.cfg, self.run_id, self.dtype = cfg, run_id, dtype_name(dtype)
         if cfg.transport == "shm":
             reclaim_stale(cfg.shm_dir)
@@ -88,18 +92,25 @@ class WeightPublisher:
         self._ctx = zmq.Context()
         self._pub = self._ctx.socket(zmq.XPUB)
         self._pub.setsockopt(zmq.LINGER, 0)
-        self._pub.setsockopt(zmq.XPUB_WELCOME_MSG, WELCOME)
+        self._pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscription, not only a topic's first, reaches us
         self._pub.bind(f"tcp://{cfg.bind_host}:{cfg.announce_port}")
         self._rep = self._ctx.socket(zmq.REP)
         self._rep.setsockopt(zmq.LINGER, 0)
         self._rep.bind(f"tcp://{cfg.bind_host}:{cfg.control_port}")
+        inproc = f"inproc://dgrpo-announce-{id(self)}"
+        self._announce_rx = self._ctx.socket(zmq.PAIR)
+        self._announce_rx.bind(inproc)
+        self._announce_tx = self._ctx.socket(zmq.PAIR)
+        self._announce_tx.connect(inproc)
+        self._announce_lock = threading.Lock()  # publish() may be called from any thread
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve_control, name="dgrpo-weights-control", daemon=True)
         self._thread.start()
         # Segments go away on normal exit even when close() is forgotten; a SIGKILLed run's are reclaimed at the
         # next start (reclaim_stale).
         self._finalizer = weakref.finalize(self, WeightPublisher._cleanup, self._slots, self._stop, self._thread,
-                                           self._ctx, [self._pub, self._rep])
+                                           self._ctx, [self._pub, self._rep, self._announce_rx,
+                                                                            self._announce_tx])
         log.info("weight publisher %s: %s transport, announcements on :%d, control on :%d, dtype %s",
                  run_id, cfg.transport, cfg.announce_port, cfg.control_port, self.dtype)
 
@@ -131,7 +142,8 @@ class WeightPublisher:
                      self.cfg.shm_dir if self.cfg.transport == "shm" else "learner memory, served over tcp",
                      len(written["manifest"]["tensors"]), self.dtype)
         self._latest = announcement
-        self._pub.send_multipart([TOPIC, json.dumps(announcement, separators=(",", ":")).encode()])
+        with self._announce_lock:
+            self._announce_tx.send(self._encoded(announcement))
         t2 = time.perf_counter()
         stats = PublishStats(version, slot, written["nbytes"], len(written["manifest"]["tensors"]),
                              write_s=t1 - t0, announce_s=t2 - t1, total_s=t2 - t0)
@@ -149,29 +161,40 @@ class WeightPublisher:
 
     # --- control socket (own thread: zmq sockets are not shared between threads) ---
 
+    def _encoded(self, announcement: dict | None) -> bytes:
+        return json.dumps(announcement or {"run_id": self.run_id, "version": 0}, separators=(",", ":")).encode()
+
     def _serve_control(self) -> None:
         poller = zmq.Poller()
-        poller.register(self._rep, zmq.POLLIN)
+        for sock in (self._rep, self._announce_rx, self._pub):
+            poller.register(sock, zmq.POLLIN)
         while not self._stop.is_set():
-            if not poller.poll(100):
-                continue
             try:
-                request = json.loads(self._rep.recv())
-                op = request.get("op")
-            except (ValueError, AttributeError, zmq.ZMQError):
-                request, op = {}, None
-            try:
-                if op == "latest":
-                    latest = self._latest
-                    self._rep.send(json.dumps(latest or {"run_id": self.run_id, "version": 0}).encode())
-                elif op == "fetch":
-                    self._send_slot(int(request.get("version", -1)), int(request.get("slot", -1)))
-                else:
-                    self._rep.send(json.dumps({"error": f"unknown request {request!r}"}).encode())
+                ready = dict(poller.poll(100))
+                if self._announce_rx in ready:
+                    self._pub.send_multipart([TOPIC, self._announce_rx.recv()])
+                if self._pub in ready and self._pub.recv()[:1] == b"\x01":
+                    # A subscription went live: tell (everyone, harmlessly) the latest version.
+                    self._pub.send_multipart([TOPIC, self._encoded(self._latest)])
+                if self._rep in ready:
+                    self._answer(self._rep.recv())
             except zmq.ZMQError:
                 if self._stop.is_set():
                     return
                 log.exception("weight control socket failed")
+
+    def _answer(self, raw: bytes) -> None:
+        try:
+            request = json.loads(raw)
+            op = request.get("op")
+        except (ValueError, AttributeError):
+            request, op = raw[:100], None
+        if op == "latest":
+            self._rep.send(self._encoded(self._latest))
+        elif op == "fetch":
+            self._send_slot(int(request.get("version", -1)), int(request.get("slot", -1)))
+        else:
+            self._rep.send(json.dumps({"error": f"unknown request {request!r}"}).encode())
 
     def _send_slot(self, version: int, slot: int) -> None:
         if slot not in (0, 1):

@@ -19,8 +19,8 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 PREFIX = "dgrpo-"
-_NAME = re.compile(r"^dgrpo-(?:w-(?P<run>[A-Za-z0-9_.]+)-(?P<wpid>\d+)-s[01]|r-(?P<rpid>\d+)-\d+)$")
-RUN_ID = re.compile(r"^[A-Za-z0-9_.]{1,64}$")
+_NAME = re.compile(r"^dgrpo-(?:w-(?P<run>[A-Za-z0-9_.-]+)-(?P<wpid>\d+)-s[01]|r-(?P<rpid>\d+)-\d+)$")
+RUN_ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 
 def _pid_alive(pid: int) -> bool:

