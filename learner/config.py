@@ -33,8 +33,9 @@ class TrainerConfig(StrictConfig):
     """Also validate once before the first step (the baseline to compare against)."""
     seed: int = 0
     """Seed of the learner's torch RNG (model init is from the checkpoint; this covers dropout and the like)."""
-    run_name: str = Field(default="dgrpo", min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
-    """Name of the run: the metrics folder under log_dir, and the weight-sync run id samplers subscribe to."""
+    run_name: str = Field(default="dgrpo", pattern=r"^[A-Za-z0-9_.]{1,64}$")
+    """Name of the run (1-64 of A-Z a-z 0-9 _ .): the metrics folder under log_dir, and the weight-sync run id
+    (it names the shared-memory segments)."""
     log_dir: str = "runs"
     """Metrics go to <log_dir>/<run_name>/: metrics.jsonl and TensorBoard event files."""
     loggers: list[Logger] = Field(default_factory=lambda: ["console", "jsonl", "tensorboard"])

@@ -1,0 +1,70 @@
+"""The learner's control service: Status (step, weight version, last metrics) and Stop, plus health and reflection.
+
+`LoopState` is the plain domain object the loop updates; `LearnerServicer` only converts it. Stop sets a flag the
+loop reads between steps (it finishes the step in progress and writes a checkpoint), so stopping is never abrupt.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+
+import grpc
+
+from dgrpo.common.grpc_server import CHANNEL_OPTIONS, add_standard_services, set_health
+from dgrpo.v1 import learner_pb2, learner_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = learner_pb2.DESCRIPTOR.services_by_name["Learner"].full_name
+
+
+@dataclass
+class LoopState:
+    """What the loop is doing; read by Status, written by the loop (one event loop thread: no locking)."""
+
+    step: int = 0
+    total_steps: int = 0
+    weight_version: int = 0
+    epoch: int = 0
+    phase: str = "setup"
+    metrics: dict[str, float] = field(default_factory=dict)
+    stop_requested: bool = False
+    stop_reason: str = ""
+
+    def request_stop(self, reason: str) -> None:
+        if not self.stop_requested:
+            log.info("stop requested (%s): finishing step %d first", reason or "no reason given", self.step + 1)
+        self.stop_requested, self.stop_reason = True, reason
+
+
+class LearnerServicer(learner_pb2_grpc.LearnerServicer):
+    def __init__(self, state: LoopState):
+        self.state = state
+
+    async def Status(self, request, context) -> learner_pb2.LearnerStatus:  # noqa: N802 (gRPC name)
+        s = self.state
+        return learner_pb2.LearnerStatus(
+            step=s.step, total_steps=s.total_steps, weight_version=s.weight_version, epoch=s.epoch, phase=s.phase,
+            metrics={k: float(v) for k, v in s.metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)},
+            stop_requested=s.stop_requested,
+        )
+
+    async def Stop(self, request, context) -> learner_pb2.StopResponse:  # noqa: N802
+        self.state.request_stop(request.reason)
+        return learner_pb2.StopResponse(stopping_after_step=self.state.step + 1)
+
+
+async def start_control_server(state: LoopState, host: str, port: int) -> tuple[grpc.aio.Server, int, object]:
+    """Serve Status/Stop with health and reflection; returns (server, bound port, health servicer)."""
+    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    learner_pb2_grpc.add_LearnerServicer_to_server(LearnerServicer(state), server)
+    health = add_standard_services(server, [SERVICE_NAME])
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"learner control service cannot bind {host}:{port} (learner.trainer.control_port)")
+    await server.start()
+    await set_health(health, [SERVICE_NAME], serving=True)
+    log.info("learner control service on %s:%d (Status, Stop; health, reflection)", host, bound)
+    return server, bound, health

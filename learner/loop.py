@@ -1,0 +1,390 @@
+"""The GRPO training loop: sample groups -> score -> advantages -> actor update -> publish weights -> log.
+
+`Trainer.setup()` builds the components in dependency order; `Trainer.step()` reads like the algorithm. Timing,
+checkpoint and conversion plumbing live in helpers below it.
+
+Distributed (torchrun): every rank runs this loop. Rank 0 alone talks to the samplers and the rewarder and
+broadcasts each step's scored sequences; every rank then trains on its share (learner/actor.py) and joins the
+weight gather, which only rank 0 publishes.
+
+Weight versions: 0 is the initial checkpoint the samplers start from; each training step publishes the next version
+and the following rollout asks for `min_weight_version` = that version, so sampling is on-policy. A resumed run (or
+one meeting replicas that outlived an earlier learner) first publishes its weights as a version above every
+replica's (`sync_initial_weights`), so versions count publishes, not steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dgrpo.common.config import to_yaml
+from dgrpo.common.devices import detect_device
+from dgrpo.common.models import resolve_model_path
+from dgrpo.learner import checkpoint as ckpt
+from dgrpo.learner import grpo
+from dgrpo.learner.actor import Actor
+from dgrpo.learner.batch import Sequence
+from dgrpo.learner.control import LoopState, start_control_server
+from dgrpo.learner.data import PromptRecord, PromptStream, load_prompts
+from dgrpo.learner.distributed import DistContext, broadcast_object, init_distributed
+from dgrpo.learner.metrics import MetricsLogger, StepTimer
+from dgrpo.learner.reward_client import GroupReward, RewardClient, score_group
+from dgrpo.learner.rollout import RolloutClient, RolloutStats, make_prompt
+from dgrpo.v1 import sampler_pb2
+
+log = logging.getLogger("dgrpo.learner")
+
+LENGTH = sampler_pb2.FINISH_REASON_LENGTH
+# Breakdown names that are 0/1 correctness checks: their mean is reported as the accuracy.
+ACCURACY_FUNCTIONS = ("math_verify", "exact_match", "accuracy", "correct")
+
+
+@dataclass
+class ScoredGroup:
+    """One prompt's group as sampled and scored."""
+
+    record: PromptRecord
+    group: sampler_pb2.Group
+    reward: GroupReward
+
+
+class Trainer:
+    def __init__(self, cfg):
+        """`cfg`: the StackConfig (model, learner, sampler addresses, weights)."""
+        self.cfg, self.lc = cfg, cfg.learner
+        self.state = LoopState()
+        self.step_num = 0
+        self.version = 0
+
+    # ---- setup ---------------------------------------------------------------------------------------
+
+    def setup(self) -> None:
+        lc = self.lc
+        torch.manual_seed(lc.trainer.seed)
+        # Rank and device first: every later component is placed by them.
+        self.ctx: DistContext = init_distributed(detect_device(self.cfg.model.device))
+        self.model_path = resolve_model_path(self.cfg.model.path)
+        # The chat template is applied once, with the policy's own tokenizer.
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path, trust_remote_code=self.cfg.model.trust_remote_code)
+        # Data on every rank (cheap), so every rank knows the run's length; only rank 0 draws batches.
+        records, self.data_stats = load_prompts(lc.data.train_files, lc.data, self.tokenizer, lc.data.max_train_samples)
+        self.train_data = PromptStream(records, lc.data.train_batch_size, seed=lc.data.seed, shuffle=lc.data.shuffle)
+        self.val_records, _ = (load_prompts(lc.data.val_files, lc.data, self.tokenizer, lc.data.max_val_samples)
+                               if lc.data.val_files else ([], None))
+        self.total_steps = lc.trainer.total_training_steps or lc.trainer.total_epochs * self.train_data.steps_per_epoch
+        self.state.total_steps = self.total_steps
+        # Policy (+ frozen reference when beta > 0) and its optimizer.
+        self.actor = Actor(
+            self.model_path, lc.actor, lc.optim, lc.algorithm, total_steps=self.total_steps,
+            max_response_length=lc.rollout.max_response_length, temperature=lc.rollout.temperature, ctx=self.ctx,
+            trust_remote_code=self.cfg.model.trust_remote_code,
+        )
+        # Resume: model, optimizer, scheduler, RNG, data position and step from a checkpoint.
+        resume = ckpt.resume_path(lc.checkpoint)
+        if resume is not None:
+            extra = ckpt.load_checkpoint(self.actor, resume)
+            self.step_num = self.actor.step
+            if "data" in extra:
+                self.train_data.load_state_dict(extra["data"])
+            else:
+                log.warning("%s holds no data position (checkpoint.contents without 'extra'): the data order "
+                            "restarts from the beginning", resume)
+            log.info("resumed from %s at step %d (data epoch %d, index %d)", resume, self.step_num,
+                     self.train_data.epoch, self.train_data.index)
+        self.state.step, self.state.weight_version, self.state.epoch = self.step_num, self.version, self.train_data.epoch
+        if not self.ctx.is_main:
+            return
+        # Weight publisher: samplers subscribe to its announcements.
+        from dgrpo.weights.publisher import WeightPublisher
+
+        self.publisher = WeightPublisher(self.cfg.weights, lc.trainer.run_name, dtype=self.cfg.model.dtype)
+        self.out_dir = Path(lc.trainer.log_dir) / lc.trainer.run_name
+        self.metrics = MetricsLogger(lc.trainer.loggers, self.out_dir, lc.trainer.run_name,
+                                     self.cfg.model_dump(mode="json"), lc.trainer.wandb_project)
+        (self.out_dir / "config.yaml").write_text(to_yaml(self.cfg))
+        log.info("%d training prompts (%d dropped, %d truncated as overlong), %d validation prompts; %d steps",
+                 self.data_stats.kept, self.data_stats.dropped_overlong, self.data_stats.truncated_overlong,
+                 len(self.val_records), self.total_steps)
+
+    async def _start_clients(self) -> None:
+        """gRPC clients live on the running event loop, so they are created inside it."""
+        lc = self.lc
+        self.rollout = RolloutClient(self.cfg.sampler.addresses, lc.rollout)
+        self.rewarder = RewardClient(lc.rollout.rewarder_address, timeout_s=lc.rollout.reward_timeout_s,
+                                     retry_backoff_s=lc.rollout.retry_backoff_s)
+        self.control = None
+        if lc.trainer.control_port is not None:
+            self.control, self.control_port, _ = await start_control_server(
+                self.state, lc.trainer.control_host, lc.trainer.control_port)
+
+    # ---- the loop ------------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        if self.ctx.is_main:
+            await self._start_clients()
+        try:
+            await self.sync_initial_weights()
+            if self.lc.trainer.val_before_train and self.step_num == 0:
+                await self.validate()
+            while self.step_num < self.total_steps:
+                if self._should_stop():
+                    break
+                await self.step()
+                if self._checkpoint_due():
+                    self.save_checkpoint()
+                if self._validation_due():
+                    await self.validate()
+            if self.step_num >= self.total_steps and self.lc.checkpoint.export_dir:
+                self.state.phase = "exporting"
+                out = ckpt.export_hf(self.actor, self.lc.checkpoint.export_dir, dtype=self.cfg.model.dtype)
+                log.info("exported the policy as a Hugging Face folder: %s", out)
+            self.state.phase = "done"
+        finally:
+            await self.close()
+
+    async def step(self) -> None:
+        """One GRPO step."""
+        timer = StepTimer()
+        sequences, metrics = None, {}
+        if self.ctx.is_main:
+            batch = self.train_data.next_batch()
+            self.state.phase = "sampling"
+            scored, rollout_stats = await self.sample_and_score(batch, timer)
+            sequences, metrics = self.to_sequences(scored)
+            metrics.update(rollout_stats.as_metrics())
+        sequences = broadcast_object(sequences, self.ctx)
+        self.state.phase = "training"
+        with timer.phase("train"):
+            actor_metrics = await asyncio.to_thread(self.actor.update, sequences, self.lc.rollout.n)
+        # The actor times its no-grad logprob forwards inside update(): report them as their own phase.
+        timer.add("train", -actor_metrics.get("timing/logprob_s", 0.0))
+        timer.add("logprob", actor_metrics.get("timing/logprob_s", 0.0))
+        self.step_num += 1
+        self.version += 1
+        self.state.phase = "publishing"
+        with timer.phase("weight_sync"):
+            publish_s = self.publish()
+        if self.ctx.is_main:
+            times, bottleneck = timer.metrics()
+            metrics.update(actor_metrics)
+            metrics.update(times)
+            tokens = sum(len(s) for s in sequences)
+            metrics.update({
+                "perf/tokens_per_s": tokens / times["time/step_s"],
+                "perf/generated_tokens_per_s": metrics["response/tokens"] / max(times.get("time/generate_s", 0), 1e-9),
+                "weights/version": float(self.version),
+                "weights/publish_s": publish_s,
+                "data/epoch": float(self.train_data.epoch),
+            })
+            self.metrics.log(self.step_num, self.total_steps, metrics, bottleneck)
+            self.state.metrics = metrics
+        self.state.step, self.state.weight_version, self.state.epoch = self.step_num, self.version, self.train_data.epoch
+
+    # ---- the pieces of a step -------------------------------------------------------------------------
+
+    def sampling_params(self, *, greedy: bool = False) -> sampler_pb2.SamplingParams:
+        r = self.lc.rollout
+        params = sampler_pb2.SamplingParams(
+            n=1 if greedy else r.n, temperature=0.0 if greedy else r.temperature, max_tokens=r.max_response_length,
+            stop=r.stop,
+        )
+        if not greedy:
+            params.top_p, params.top_k, params.min_p = r.top_p, r.top_k, r.min_p
+            if r.seed is not None:
+                params.seed = r.seed + self.step_num  # each step samples differently, resumes reproducibly
+        return params
+
+    async def sample_and_score(
+        self, batch: list[PromptRecord], timer: StepTimer, *, greedy: bool = False, tag: str = "s"
+    ) -> tuple[list[ScoredGroup], RolloutStats]:
+        """Stream the batch's groups from the samplers; score each group the moment it arrives."""
+        prefix = f"{tag}{self.step_num + 1}-"
+        prompts = [make_prompt(f"{prefix}{i}", rec.token_ids) for i, rec in enumerate(batch)]
+        stats = RolloutStats()
+        scoring: dict[int, asyncio.Task] = {}
+        groups: dict[int, sampler_pb2.Group] = {}
+        busy = [0.0]
+
+        async def score(i: int, group: sampler_pb2.Group) -> GroupReward:
+            t0 = time.perf_counter()
+            rec = batch[i]
+            result = await self.rewarder.score(score_group(
+                group.prompt_id, rec.prompt, [c.text for c in group.completions], rec.extra))
+            busy[0] += time.perf_counter() - t0
+            return result
+
+        t0 = time.perf_counter()
+        async for group in self.rollout.generate(prompts, self.sampling_params(greedy=greedy),
+                                                 min_weight_version=self.version, stats=stats):
+            i = int(group.prompt_id.removeprefix(prefix))
+            groups[i] = group
+            scoring[i] = asyncio.create_task(score(i, group))
+        t1 = time.perf_counter()
+        rewards = dict(zip(scoring, await asyncio.gather(*scoring.values())))
+        t2 = time.perf_counter()
+        timer.add("generate", t1 - t0)
+        timer.add("reward", t2 - t1)  # only the tail: scoring overlapped generation until t1
+        self._reward_busy = busy[0]
+        # Batch order, not arrival order: the update must not depend on which replica was faster.
+        return [ScoredGroup(batch[i], groups[i], rewards[i]) for i in range(len(batch))], stats
+
+    def to_sequences(self, scored: list[ScoredGroup]) -> tuple[list[Sequence], dict[str, float]]:
+        """Group-normalized advantages, and the Sequences the actor trains on (groups contiguous)."""
+        algo, n = self.lc.algorithm, self.lc.rollout.n
+        rewards = torch.tensor([r for sg in scored for r in sg.reward.rewards], dtype=torch.float32)  # [B*G]
+        advantages = grpo.group_advantages(rewards, n, algo.adv_scale, algo.adv_eps)  # [B*G]
+        sequences: list[Sequence] = []
+        completions = [(sg, c, ok) for sg in scored for c, ok in zip(sg.group.completions, sg.reward.valid)]
+        eos = self.tokenizer.eos_token_id or 0
+        for (sg, c, ok), adv in zip(completions, advantages.tolist()):
+            ids, logprobs = list(c.token_ids), list(c.logprobs)
+            if not ids:  # an aborted completion: keep the group's shape, train on nothing
+                ids, logprobs, ok = [eos], [0.0], False
+            sequences.append(Sequence(
+                prompt_ids=list(sg.group.prompt_token_ids) or list(sg.record.token_ids),
+                completion_ids=ids,
+                # A completion the rewarder could not score has no valid reward: advantage 0, no policy gradient.
+                advantage=adv if ok else 0.0,
+                sampler_logprobs=logprobs if len(logprobs) == len(ids) else None,
+                truncated=c.finish_reason == LENGTH,
+            ))
+        return sequences, self._rollout_metrics(scored, rewards)
+
+    def _rollout_metrics(self, scored: list[ScoredGroup], rewards: torch.Tensor) -> dict[str, float]:
+        lengths = torch.tensor([len(c.token_ids) for sg in scored for c in sg.group.completions], dtype=torch.float32)
+        finished = [c for sg in scored for c in sg.group.completions]
+        stale = sum(c.weight_version < self.version for c in finished)
+        m = {
+            "reward/mean": rewards.mean().item(),
+            "reward/std": rewards.std().item() if rewards.numel() > 1 else 0.0,
+            "reward/max": rewards.max().item(),
+            "reward/min": rewards.min().item(),
+            "reward/frac_zero_std": grpo.zero_std_fraction(rewards, self.lc.rollout.n),
+            "reward/errors": float(sum(not ok for sg in scored for ok in sg.reward.valid)),
+            "reward/retries": float(sum(sg.reward.retries for sg in scored)),
+            "reward/busy_s": self._reward_busy,
+            "response/length_mean": lengths.mean().item(),
+            "response/length_max": lengths.max().item(),
+            "response/clip_frac": sum(c.finish_reason == LENGTH for c in finished) / len(finished),
+            "response/tokens": lengths.sum().item(),
+            "prompt/length_mean": sum(len(sg.record.token_ids) for sg in scored) / len(scored),
+            "rollout/stale_completions": float(stale),
+        }
+        m.update(_breakdown_means(scored, "reward"))
+        return m
+
+    async def sync_initial_weights(self) -> None:
+        """Make the samplers serve this run's weights before the first rollout.
+
+        Replicas start from the initial checkpoint as version 0, and a fresh run's policy is that checkpoint: no
+        publish needed. But a resumed run's policy is its checkpoint's, and replicas that outlived an earlier
+        learner hold that learner's last version, which they would keep (they only load newer versions). Either
+        way this run publishes its weights as a version above every replica's, and continues counting from there.
+        """
+        versions = [0]
+        if self.ctx.is_main:
+            for address in await self.rollout.replicas():
+                try:
+                    versions.append((await self.rollout.info(address)).weight_version)
+                except Exception as e:  # an unreachable replica catches up from the publisher when it is back
+                    log.warning("sampler %s did not answer Info (%s); it will catch up when it is back", address, e)
+        newest = broadcast_object(max(versions), self.ctx)
+        if self.step_num == 0 and newest == 0:
+            return
+        self.version = newest + 1
+        publish_s = self.publish()
+        log.info("published this run's %s weights as version %d (replicas were at <= %d) in %.2fs",
+                 "resumed" if self.step_num else "initial", self.version, newest, publish_s)
+        self.state.weight_version = self.version
+
+    def publish(self) -> float:
+        """Every rank joins the gather of full weights; rank 0 writes and announces them as `self.version`."""
+        t0 = time.perf_counter()
+        named = self.actor.named_weights(dtype=getattr(torch, self.cfg.model.dtype))
+        if self.ctx.is_main:
+            self.publisher.publish(named, self.version)
+        else:
+            for _ in named:
+                pass
+        return time.perf_counter() - t0
+
+    async def validate(self) -> None:
+        """Greedy completions of the validation prompts, mean reward (rank 0; other ranks idle)."""
+        if not self.ctx.is_main or not self.val_records:
+            return
+        self.state.phase = "validating"
+        timer = StepTimer()
+        scored, _ = await self.sample_and_score(self.val_records, timer, greedy=True, tag="v")
+        rewards = [r for sg in scored for r in sg.reward.rewards]
+        metrics = {"val/reward_mean": sum(rewards) / len(rewards), "val/prompts": float(len(scored)),
+                   "val/time_s": timer.metrics()[0]["time/step_s"]}
+        metrics.update(_breakdown_means(scored, "val"))
+        log.info("validation at step %d: mean reward %.4f over %d prompts (%.1fs)", self.step_num,
+                 metrics["val/reward_mean"], len(scored), metrics["val/time_s"])
+        self.metrics.log(self.step_num, self.total_steps, metrics)
+        self.state.metrics = {**self.state.metrics, **metrics}
+
+    def save_checkpoint(self) -> None:
+        self.state.phase = "checkpointing"
+        extra = {"data": self.train_data.state_dict(), "step": self.step_num, "weight_version": self.version}
+        path = ckpt.save_checkpoint(self.actor, self.lc.checkpoint, self.step_num, extra)
+        if self.ctx.is_main:
+            log.info("checkpoint step %d -> %s", self.step_num, path)
+
+    # ---- helpers ---------------------------------------------------------------------------------------
+
+    def _should_stop(self) -> bool:
+        """Rank 0's stop flag (Stop RPC or a signal), agreed by every rank; a checkpoint is written first."""
+        stop = broadcast_object(self.state.stop_requested, self.ctx)
+        if stop:
+            self.state.phase = "stopping"
+            if self.step_num > 0 and not self._checkpoint_due():  # (when due, it was written after the step)
+                self.save_checkpoint()
+        return stop
+
+    def _checkpoint_due(self) -> bool:
+        freq = self.lc.checkpoint.save_freq
+        return self.step_num == self.total_steps or (freq > 0 and self.step_num % freq == 0)
+
+    def _validation_due(self) -> bool:
+        freq = self.lc.trainer.test_freq
+        return bool(self.val_records) and freq > 0 and (self.step_num % freq == 0 or self.step_num == self.total_steps)
+
+    async def close(self) -> None:
+        if not self.ctx.is_main:
+            return
+        for name in ("rollout", "rewarder"):
+            client = getattr(self, name, None)
+            if client is not None:
+                await client.close()
+        if getattr(self, "control", None) is not None:
+            await self.control.stop(1.0)
+        if getattr(self, "publisher", None) is not None:
+            self.publisher.close()
+        if getattr(self, "metrics", None) is not None:
+            self.metrics.close()
+
+
+def _breakdown_means(scored: list[ScoredGroup], prefix: str) -> dict[str, float]:
+    """Mean of each reward function over the completions it scored; `accuracy` from a 0/1 correctness check."""
+    sums: dict[str, list[float]] = {}
+    for sg in scored:
+        for b in sg.reward.breakdown:
+            for name, value in b.items():
+                if math.isfinite(value):
+                    sums.setdefault(name, []).append(value)
+    out = {f"{prefix}/fn/{k}": sum(v) / len(v) for k, v in sums.items()}
+    for name in ACCURACY_FUNCTIONS:
+        if name in sums:
+            out[f"{prefix}/accuracy"] = sum(v > 0.5 for v in sums[name]) / len(sums[name])
+            break
+    return out
