@@ -252,8 +252,13 @@ class SamplerEngine:
     async def _sample_group(self, prompt_id: str, ids: list[int], params) -> GroupResult:
         version = self._weight_version
         final = None
-        async for out in self.llm.generate({"prompt_token_ids": ids}, params, f"{prompt_id}-{uuid.uuid4().hex[:12]}"):
-            final = out
+        try:
+            async for out in self.llm.generate({"prompt_token_ids": ids}, params, f"{prompt_id}-{uuid.uuid4().hex[:12]}"):
+                final = out
+        except Exception as e:
+            if self.llm.errored:  # the engine process died: this replica is gone, not the request
+                raise EngineUnavailable(f"vLLM engine died: {self.llm.dead_error}") from e
+            raise
         if final is None:
             raise EngineUnavailable(f"prompt {prompt_id!r}: the engine returned no output (shutting down?)")
         completions = []
@@ -303,6 +308,11 @@ class SamplerEngine:
     # --- lifecycle ---
 
     @property
+    def unfinished_requests(self) -> int:
+        """Requests the engine still owes output for, as seen by this process (exact, updated on abort)."""
+        return self.llm.get_num_unfinished_requests()
+
+    @property
     def in_flight(self) -> int:
         return len(self._active)
 
@@ -316,6 +326,10 @@ class SamplerEngine:
             t.cancel()
         if self._active:
             await asyncio.gather(*self._active, return_exceptions=True)
+
+    @property
+    def dead(self) -> bool:
+        return self.llm.errored
 
     def shutdown(self) -> None:
         self.llm.shutdown()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import socket
 
 from dgrpo.common import devices
@@ -20,15 +21,20 @@ SERVICE_NAME = "dgrpo.v1.Sampler"
 log = logging.getLogger("dgrpo.sampler")
 
 
-async def _refresh_gauges(engine, metrics, period_s: float = 1.0) -> None:
+async def _watch(engine, metrics, period_s: float = 1.0) -> None:
+    """Refresh gauges; if the engine process died, exit via SIGTERM so a supervisor restarts the replica."""
     while True:
-        metrics.running.set(engine.load.running)
+        metrics.running.set(engine.unfinished_requests)
         metrics.waiting.set(engine.load.waiting)
         metrics.weight_version.set(engine.weight_version)
+        if engine.dead:
+            log.error("vLLM engine died (%s); shutting the replica down", engine.llm.dead_error)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
         await asyncio.sleep(period_s)
 
 
-async def serve(cfg) -> None:
+async def serve(cfg) -> int:
     """Run one replica until SIGTERM/SIGINT (cfg: the StackConfig)."""
     import grpc
 
@@ -65,7 +71,7 @@ async def serve(cfg) -> None:
 
     if scfg.metrics_port is not None:
         log.info("metrics on http://0.0.0.0:%d/metrics", metrics.serve(scfg.metrics_port))
-    gauges = asyncio.create_task(_refresh_gauges(engine, metrics))
+    gauges = asyncio.create_task(_watch(engine, metrics))
 
     await set_health(health, [SERVICE_NAME], serving=True)
     log.info("sampler %s serving on port %d (weight version %d)", replica_id, port, engine.weight_version)
@@ -75,7 +81,11 @@ async def serve(cfg) -> None:
         log.info("SIGTERM: draining %d in-flight groups (grace %.0fs)", engine.in_flight, scfg.shutdown_grace_s)
         await engine.drain(scfg.shutdown_grace_s)
 
+    died = False
+
     async def shutdown() -> None:
+        nonlocal died
+        died = engine.dead  # before shutdown(): a stopped engine also reports errored
         gauges.cancel()
         if loader is not None:
             await loader.stop()
@@ -83,6 +93,7 @@ async def serve(cfg) -> None:
         log.info("sampler stopped")
 
     await serve_until_signal(server, health, [SERVICE_NAME], grace=1.0, on_signal=drain, on_stop=shutdown)
+    return 1 if died else 0
 
 
 def main(cfg) -> int:
@@ -92,5 +103,4 @@ def main(cfg) -> int:
     if device == "cpu" and cfg.sampler.kv_cache_space_gib is not None:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.sampler.kv_cache_space_gib)
     os.environ.update(env)  # before vLLM is imported
-    asyncio.run(serve(cfg))
-    return 0
+    return asyncio.run(serve(cfg))

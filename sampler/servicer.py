@@ -62,7 +62,7 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
             max_model_len=e.max_model_len,
             replica_id=self.replica_id,
             weight_version=e.weight_version,
-            running_requests=e.load.running,
+            running_requests=e.unfinished_requests,
             waiting_requests=e.load.waiting,
             vocab_size=e.vocab_size,
         )
