@@ -210,7 +210,7 @@ class Scorer:
 
     def _chunks(self, kind: str, groups: list[GroupInput]) -> list[list[int]]:
         """Group indices per call: one group per call for functions (parallel across workers, a failure stays
-        in its group); for reward models, one contiguous chunk per worker so batches stay large."""
+        in its group); for reward models, one share per worker so batches stay large."""
         if kind != "model":
             return [[i] for i in range(len(groups))]
         n = min(self.config.workers, len(groups))

@@ -92,14 +92,15 @@ async def serve(config: RewarderConfig) -> int:
     if config.metrics_port is not None:
         metrics.serve(config.metrics_port)
         metrics.WORKERS_ALIVE.set_function(lambda: scorer.workers_alive)
+    # Before loading: SIGHUP's default action would kill the process; an early one reloads after the first load.
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(_reload_on_sighup(scorer)))
     try:
         await scorer.start()
     except SpecError as e:
         log.error("the reward spec does not load: %s", e)
         await server.stop(0)
         return 1
-    loop = asyncio.get_running_loop()
-    loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(_reload_on_sighup(scorer)))
     await set_health(health, [SERVICE_NAME], serving=True)
     log.info("rewarder SERVING on port %d", port)
     await serve_until_signal(

@@ -70,7 +70,10 @@ async def _await(awaitable):
 
 
 def _die_with_parent() -> None:
-    """Linux: SIGKILL this worker when the server dies, even while user code hangs."""
+    """Linux: SIGKILL this worker when the server dies, even while user code hangs.
+
+    The signal fires when the *thread* that spawned us exits: the pool spawns from its executor's threads,
+    which live exactly as long as the pool."""
     try:
         import ctypes
 

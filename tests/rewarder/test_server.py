@@ -120,10 +120,20 @@ def test_rewarder_service_end_to_end(tmp_path, service_factory, free_port):
         assert reloaded.changed and reloaded.previous.version == 2 and reloaded.spec.version == 3
         assert [s.reward for s in stub.Score(request, timeout=60).groups[0].scores] == [0.0, 0.0]
 
-    metrics = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
-    assert 'dgrpo_rewarder_completions_total{status="ok"} 12.0' in metrics
-    assert "dgrpo_rewarder_spec_version 3.0" in metrics
-    assert 'dgrpo_rewarder_function_seconds_count{function="reward_func"}' in metrics
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+        assert 'dgrpo_rewarder_completions_total{status="ok"} 12.0' in metrics
+        assert "dgrpo_rewarder_spec_version 3.0" in metrics
+        assert 'dgrpo_rewarder_function_seconds_count{function="reward_func"}' in metrics
 
-    assert svc.stop(signal.SIGTERM, timeout=30) == 0
+        # Graceful SIGTERM: a request running when the signal arrives still gets its scores.
+        slow = tmp_path / "slow.py"
+        slow.write_text("import time\ndef reward_func(prompts, completions, **kw):\n    time.sleep(2)\n"
+                        "    return [0.75] * len(completions)\n")
+        stub.Reload(pb.ReloadRequest(spec_text=f"functions: [{{type: file, path: {slow}}}]"), timeout=60)
+        running = stub.Score.future(request, timeout=60)
+        time.sleep(0.5)
+        svc.proc.send_signal(signal.SIGTERM)
+        assert [s.reward for s in running.result().groups[0].scores] == [0.75, 0.75]
+
+    assert svc.proc.wait(timeout=30) == 0
     assert "rewarder stopped" in svc.logs()
