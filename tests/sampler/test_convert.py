@@ -1,0 +1,34 @@
+"""Sampler proto <-> domain conversions round-trip, including unset optional sampling fields."""
+
+from __future__ import annotations
+
+from dgrpo.sampler.convert import group_from_pb, group_to_pb, prompt_from_pb, sampling_from_pb, sampling_to_pb
+from dgrpo.sampler.engine import CompletionResult, GroupResult, SamplingRequest
+from dgrpo.v1 import sampler_pb2 as pb
+
+
+def test_group_round_trip():
+    group = GroupResult("p1", [1, 2, 3], [
+        CompletionResult([4, 5], [-0.5, -1.25], "hi", "stop", 3),
+        CompletionResult([6], [-2.0], "x", "length", 3),
+    ])
+    assert group_from_pb(group_to_pb(group, "r0")) == group
+
+
+def test_sampling_round_trip_and_defaults_for_unset_fields():
+    s = SamplingRequest(n=4, temperature=0.0, top_p=0.9, top_k=20, min_p=0.05, max_tokens=64, stop=["\n\n"],
+                        stop_token_ids=[2], seed=7)
+    assert sampling_from_pb(sampling_to_pb(s)) == s
+    unset = sampling_from_pb(pb.SamplingParams(n=2, max_tokens=8))
+    assert (unset.temperature, unset.top_p, unset.top_k, unset.min_p, unset.seed) == (1.0, 1.0, 0, 0.0, None)
+    # temperature 0 (greedy) survives: it is not confused with "unset"
+    assert sampling_from_pb(pb.SamplingParams(n=1, max_tokens=1, temperature=0.0)).temperature == 0.0
+
+
+def test_prompt_variants():
+    assert prompt_from_pb(pb.Prompt(id="a", text="x")).text == "x"
+    chat = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="hi")])
+    assert prompt_from_pb(pb.Prompt(id="b", chat=chat)).chat == [("user", "hi")]
+    assert prompt_from_pb(pb.Prompt(id="c", token_ids=pb.TokenIds(ids=[1, 2]))).token_ids == [1, 2]
+    empty = prompt_from_pb(pb.Prompt(id="d"))
+    assert empty.text is None and empty.chat is None and empty.token_ids is None

@@ -1,0 +1,41 @@
+"""`dgrpo` answers --help and config errors fast, before torch or vLLM is imported."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dgrpo.cli", *args], capture_output=True, text=True, timeout=60)
+
+
+def test_help_lists_every_option_of_the_command():
+    out = run("sampler", "--help")
+    assert out.returncode == 0
+    for key in ("sampler.gpu_memory_utilization", "sampler.enable_prefix_caching", "model.path", "KEY=VALUE"):
+        assert key in out.stdout
+
+
+def test_config_error_exits_2_naming_the_key_without_importing_heavy_modules():
+    code = (
+        "import sys\n"
+        "from dgrpo.cli.main import main\n"
+        "rc = main(['sampler', 'sampler.max_num_seqs=0'])\n"
+        "heavy = [m for m in ('torch', 'vllm') if m in sys.modules]\n"
+        "print('HEAVY', heavy, 'RC', rc)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "sampler.max_num_seqs=0" in out.stderr
+    assert "HEAVY [] RC 2" in out.stdout
+
+
+def test_show_config_prints_resolved_yaml():
+    out = run("show-config", "sampler.port=6000")
+    assert out.returncode == 0 and "port: 6000" in out.stdout
+
+
+def test_missing_model_folder_is_one_clear_line(tmp_path):
+    out = run("sampler", f"model.path={tmp_path / 'nope'}")
+    assert out.returncode == 2
+    assert "is not a Hugging Face folder" in out.stderr and "Traceback" not in out.stderr

@@ -1,0 +1,68 @@
+"""Device selection and per-device environment. NPU/CUDA are faked (this machine has neither)."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+
+from dgrpo.common import devices
+
+
+def test_cpu_machine_detects_cpu_and_gloo():
+    assert devices.detect_device() == "cpu"
+    assert devices.dist_backend("cpu") == "gloo"
+    assert devices.torch_device("cpu") == torch.device("cpu")
+
+
+def test_npu_branch_with_faked_torch_npu(monkeypatch):
+    fake = types.ModuleType("torch_npu")
+    monkeypatch.setitem(sys.modules, "torch_npu", fake)
+    monkeypatch.setattr(devices.importlib.util, "find_spec", lambda name: object() if name == "torch_npu" else None)
+    monkeypatch.setattr(torch, "npu", types.SimpleNamespace(is_available=lambda: True, device_count=lambda: 8),
+                        raising=False)
+    assert devices.detect_device() == "npu"
+    assert devices.dist_backend("npu") == "hccl"
+
+
+def test_npu_present_but_no_device_falls_back(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch_npu", types.ModuleType("torch_npu"))
+    monkeypatch.setattr(devices.importlib.util, "find_spec", lambda name: object() if name == "torch_npu" else None)
+    monkeypatch.setattr(torch, "npu", types.SimpleNamespace(is_available=lambda: False, device_count=lambda: 0),
+                        raising=False)
+    assert devices.detect_device() == "cpu"
+    with pytest.raises(RuntimeError, match="npu"):
+        devices.detect_device("npu")
+
+
+def test_cuda_branch_faked(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert devices.detect_device() == "cuda"
+    assert devices.dist_backend("cuda") == "nccl"
+    assert devices.torch_device("cuda", 1) == torch.device("cuda", 1)
+
+
+def test_explicit_cuda_without_gpu_is_a_clear_error():
+    with pytest.raises(RuntimeError, match="no CUDA GPU"):
+        devices.detect_device("cuda")
+    with pytest.raises(ValueError, match="tpu"):
+        devices.detect_device("tpu")
+
+
+def test_ascend_sampler_environment():
+    env = devices.sampler_env("npu", {"PYTORCH_NPU_ALLOC_CONF": "expandable_segments:True,foo:1"})
+    assert env["VLLM_ASCEND_ENABLE_NZ"] == "0"
+    assert env["PYTORCH_NPU_ALLOC_CONF"] == "foo:1"  # vllm-ascend's sleep-mode allocator refuses it
+    assert devices.sampler_env("npu", {"VLLM_ASCEND_ENABLE_NZ": "1"})["VLLM_ASCEND_ENABLE_NZ"] == "1"
+    assert devices.learner_env("npu", {}) == {"PYTORCH_NPU_ALLOC_CONF": "expandable_segments:True"}
+    assert devices.learner_env("cuda", {}) == {}
+
+
+def test_visible_devices_are_honoured():
+    assert devices.visible_devices("npu", {"ASCEND_RT_VISIBLE_DEVICES": "4,5,6"}) == [4, 5, 6]
+    assert devices.visible_devices("cuda", {"CUDA_VISIBLE_DEVICES": "1"}) == [1]
+    assert devices.visible_devices("npu", {}) is None
+    assert devices.visible_devices("cpu", {"CUDA_VISIBLE_DEVICES": "1"}) is None
