@@ -16,7 +16,7 @@ def test_group_round_trip():
 
 
 def test_sampling_round_trip_and_defaults_for_unset_fields():
-    s = SamplingRequest(n=4, temperature=0.0, top_p=0.9, top_k=20, min_p=0.05, max_tokens=64, stop=["\n\n"],
+    s = SamplingRequest(n=4, temperature=0.0, top_p=0.75, top_k=20, min_p=0.125,  # float32-exact values max_tokens=64, stop=["\n\n"],
                         stop_token_ids=[2], seed=7)
     assert sampling_from_pb(sampling_to_pb(s)) == s
     unset = sampling_from_pb(pb.SamplingParams(n=2, max_tokens=8))
