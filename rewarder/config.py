@@ -142,7 +142,7 @@ class RewardSpec(StrictConfig):
         default_factory=lambda: [MathVerifyFunction(type="math_verify")], min_length=1
     )
     """Reward functions; each entry has a `type`: math_verify, exact_match, regex_format, length, seed_rule,
-    file or model."""
+    file or model, plus name / weight / timeout_s and the type's options (docs/rewarder.md)."""
 
     @model_validator(mode="after")
     def _unique_names(self) -> RewardSpec:
