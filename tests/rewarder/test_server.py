@@ -137,3 +137,14 @@ def test_rewarder_service_end_to_end(tmp_path, service_factory, free_port):
 
     assert svc.proc.wait(timeout=30) == 0
     assert "rewarder stopped" in svc.logs()
+
+
+def test_help_lists_the_rewarder_options():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "dgrpo.cli", "rewarder", "--help"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0
+    for key in ("rewarder.spec.functions", "rewarder.spec_file", "rewarder.on_error", "rewarder.call_timeout_s"):
+        assert key in out.stdout
