@@ -143,8 +143,7 @@ def test_help_lists_the_rewarder_options():
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "dgrpo.cli", "rewarder", "--help"], capture_output=True, text=True,
-                         timeout=60)
-    assert out.returncode == 0
+    out = subprocess.run([sys.executable, "-m", "dgrpo.cli", "rewarder", "--help"], check=True, capture_output=True,
+                         text=True, timeout=60)
     for key in ("rewarder.spec.functions", "rewarder.spec_file", "rewarder.on_error", "rewarder.call_timeout_s"):
         assert key in out.stdout
