@@ -56,7 +56,7 @@ def call_function(fn, prompts: list, completions: list, kwargs: dict) -> tuple[s
     try:
         result = fn(prompts=prompts, completions=completions, **kwargs)
         if inspect.isawaitable(result):
-            result = asyncio.run(_await(result))
+            result = _event_loop().run_until_complete(_await(result))
     except Exception as e:  # noqa: BLE001 - user code: every failure becomes an error for this call
         return "error", describe_exception(e)
     try:
@@ -67,6 +67,18 @@ def call_function(fn, prompts: list, completions: list, kwargs: dict) -> tuple[s
 
 async def _await(awaitable):
     return await awaitable
+
+
+_LOOP: asyncio.AbstractEventLoop | None = None
+
+
+def _event_loop() -> asyncio.AbstractEventLoop:
+    """One loop for the worker's life: an async function may keep a client (e.g. an HTTP session to a judge)
+    bound to the loop it was created on across calls, which a fresh asyncio.run per call would break."""
+    global _LOOP
+    if _LOOP is None or _LOOP.is_closed():
+        _LOOP = asyncio.new_event_loop()
+    return _LOOP
 
 
 def _die_with_parent() -> None:

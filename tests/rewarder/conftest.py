@@ -20,7 +20,13 @@ def answer_in_completion(prompts, completions, answer, **kwargs):
     return [1.0 if str(a) in c else 0.0 for c, a in zip(completions, answer)]
 
 
+_LOOPS = set()
+
+
 async def async_length(prompts, completions, **kwargs):
+    # Like a judge client kept across calls: the worker must await every call on the same event loop.
+    _LOOPS.add(asyncio.get_running_loop())  # kept alive, so two loops never share an identity
+    assert len(_LOOPS) == 1, "a new event loop per call"
     await asyncio.sleep(0)
     return [float(len(c)) for c in completions]
 
