@@ -9,6 +9,7 @@ files exactly as `up` would, without starting anything. CI installs Debian's com
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import subprocess
@@ -44,6 +45,7 @@ needs_compose = pytest.mark.skipif(
 )
 
 
+@functools.cache
 def resolved(variant: str, profiles: tuple[str, ...] = ("swap",)) -> dict:
     """The merged, interpolated compose model of a variant, as the compose binary prints it."""
     args = [*COMPOSE]
