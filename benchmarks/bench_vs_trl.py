@@ -58,11 +58,15 @@ class SideResult:
     reward_mean: list[float] = field(default_factory=list)
     completions_per_step: int = 0
     notes: str = ""
+    cpu_s: list[float] = field(default_factory=list)
+    """CPU seconds per step summed over the side's threads (and processes): less sensitive than wall time to other
+    work on a shared machine; on an otherwise idle 2-core machine wall ~ cpu / 2 when both cores are busy."""
 
     def summary(self) -> dict[str, float]:
         # The first step carries one-off warm-up (allocations, lazy imports); the median ignores it.
         med = statistics.median(self.step_s)
         return {"s_per_step_median": med, "completions_per_s": self.completions_per_step / med,
+                "cpu_s_per_step_median": statistics.median(self.cpu_s) if self.cpu_s else float("nan"),
                 "reward_first": self.reward_mean[0], "reward_last": self.reward_mean[-1]}
 
 
@@ -119,24 +123,26 @@ def _trl_worker(model: str, train_file: str, out: str, settings: Settings) -> No
             text = completion[-1]["content"] if isinstance(completion, list) else completion
             try:
                 out.append(float(verify(parse(str(ref)), parse(text))))
-            except Exception:  # math-verify raises on unparsable input: that completion is simply wrong
+            except Exception:  # noqa: BLE001 - math-verify raises on unparsable input: that completion is wrong
                 out.append(0.0)
         return out
 
     class StepClock(TrainerCallback):
         def __init__(self):
-            self.t0, self.step_s, self.rewards = 0.0, [], []
+            self.t0, self.c0, self.step_s, self.cpu_s, self.rewards = 0.0, 0.0, [], [], []
 
         def on_step_begin(self, args, state, control, **kw):
-            self.t0 = time.perf_counter()
+            self.t0, self.c0 = time.perf_counter(), time.process_time()
 
         def on_step_end(self, args, state, control, **kw):
             self.step_s.append(time.perf_counter() - self.t0)
+            self.cpu_s.append(time.process_time() - self.c0)
 
         def on_log(self, args, state, control, logs=None, **kw):
             if logs and "reward" in logs:
                 self.rewards.append(float(logs["reward"]))
-                print(f"[trl] step {state.global_step}: {self.step_s[-1]:.1f} s, reward {logs['reward']:.3f}, "
+                print(f"[trl] step {state.global_step}: {self.step_s[-1]:.1f} s ({self.cpu_s[-1]:.1f} cpu-s), "
+                      f"reward {logs['reward']:.3f}, "
                       f"length {logs.get('completions/mean_length', float('nan')):.1f}", flush=True)
 
     completions = settings.prompts_per_step * settings.group_size
@@ -174,7 +180,7 @@ def _trl_worker(model: str, train_file: str, out: str, settings: Settings) -> No
     trainer.train()
     Path(out).write_text(json.dumps({
         "name": f"TRL {trl.__version__} GRPOTrainer (transformers generate, fp32, CPU)",
-        "step_s": clock.step_s, "reward_mean": clock.rewards, "completions_per_step": completions,
+        "step_s": clock.step_s, "cpu_s": clock.cpu_s, "reward_mean": clock.rewards, "completions_per_step": completions,
         "notes": f"torch {torch.__version__}, threads {torch.get_num_threads()}",
     }))
 
@@ -212,14 +218,16 @@ def prepare(settings: Settings, out_dir: Path) -> tuple[Path, Path]:
 
 
 def report(settings: Settings, results: list[SideResult]) -> None:
-    print(f"\nSmolLM2-135M-Instruct, task {settings.task}, {settings.prompts_per_step} prompts x "
+    load = os.getloadavg()[0]
+    print(f"\nload average at the end: {load:.1f} on {os.cpu_count()} cores (other work inflates wall times)")
+    print(f"SmolLM2-135M-Instruct, task {settings.task}, {settings.prompts_per_step} prompts x "
           f"{settings.group_size} completions, {settings.max_new_tokens} max new tokens, lr {settings.lr}, "
           f"{settings.steps} steps")
-    print(f"{'side':<58} {'s/step (median)':>16} {'completions/s':>14} {'reward first→last':>20}")
+    print(f"{'side':<58} {'s/step (median)':>16} {'cpu-s/step':>11} {'completions/s':>14} {'reward first→last':>20}")
     for r in results:
         s = r.summary()
-        print(f"{r.name:<58} {s['s_per_step_median']:>16.1f} {s['completions_per_s']:>14.2f} "
-              f"{s['reward_first']:>9.3f} → {s['reward_last']:.3f}")
+        print(f"{r.name:<58} {s['s_per_step_median']:>16.1f} {s['cpu_s_per_step_median']:>11.1f} "
+              f"{s['completions_per_s']:>14.2f} {s['reward_first']:>9.3f} → {s['reward_last']:.3f}")
         print(f"  per-step s: {' '.join(f'{x:.1f}' for x in r.step_s)}")
         print(f"  reward:     {' '.join(f'{x:.3f}' for x in r.reward_mean)}   ({r.notes})")
     trl = next((r for r in results if r.name.startswith("TRL")), None)

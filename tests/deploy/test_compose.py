@@ -33,7 +33,7 @@ def _compose_command() -> list[str] | None:
     if shutil.which("docker-compose"):
         return ["docker-compose"]
     if shutil.which("docker"):
-        probe = subprocess.run(["docker", "compose", "version"], capture_output=True, text=True)
+        probe = subprocess.run(["docker", "compose", "version"], capture_output=True, text=True, check=False)
         if probe.returncode == 0:
             return ["docker", "compose"]
     return None
@@ -54,7 +54,7 @@ def resolved(variant: str, profiles: tuple[str, ...] = ("swap",)) -> dict:
     for p in profiles:
         args += ["--profile", p]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DGRPO_", "COMPOSE_"))}
-    proc = subprocess.run([*args, "config"], capture_output=True, text=True, env=env, cwd=ROOT)
+    proc = subprocess.run([*args, "config"], capture_output=True, text=True, env=env, cwd=ROOT, check=False)
     assert proc.returncode == 0, f"{' '.join(args)} config failed:\n{proc.stderr}"
     return yaml.safe_load(proc.stdout)
 
@@ -172,10 +172,10 @@ def test_entrypoint_runs_learner_under_torchrun(tmp_path):
     """DGRPO_NPROC_PER_NODE=2 turns `dgrpo learner ...` into two torchrun ranks (here: each prints --help)."""
     env = {**os.environ, "DGRPO_NPROC_PER_NODE": "2", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     proc = subprocess.run([str(DEPLOY / "entrypoint.sh"), "dgrpo", "learner", "--help"], capture_output=True,
-                          text=True, env=env, timeout=120)
+                          text=True, env=env, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("dgrpo learner: run GRPO training") == 2
     # Other commands pass through untouched.
     proc = subprocess.run([str(DEPLOY / "entrypoint.sh"), "dgrpo", "rewarder", "--help"], capture_output=True,
-                          text=True, env=env, timeout=60)
+                          text=True, env=env, timeout=60, check=False)
     assert proc.returncode == 0 and proc.stdout.count("dgrpo rewarder:") == 1

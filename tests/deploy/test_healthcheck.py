@@ -14,7 +14,7 @@ PROBE = Path(__file__).resolve().parents[2] / "deploy" / "healthcheck.py"
 
 
 def probe(port: int, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(PROBE), str(port), *extra], capture_output=True, text=True, timeout=60)
+    return subprocess.run([sys.executable, str(PROBE), str(port), *extra], capture_output=True, text=True, timeout=60, check=False)
 
 
 def test_probe_follows_the_serving_status(free_port):
@@ -42,4 +42,4 @@ def test_probe_follows_the_serving_status(free_port):
 
 
 def test_probe_usage_error():
-    assert subprocess.run([sys.executable, str(PROBE)], capture_output=True, timeout=30).returncode == 2
+    assert subprocess.run([sys.executable, str(PROBE)], capture_output=True, timeout=30, check=False).returncode == 2
