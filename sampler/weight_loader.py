@@ -55,6 +55,8 @@ class LoadStats:
     reset_s: float
     """Prefix-cache reset + resume."""
     total_s: float
+    done_at: float
+    """time.perf_counter() when the version was recorded (requests fenced on it were released)."""
 
 
 def checkpoint_shapes(model_path: str | Path) -> dict[str, list[int]]:
@@ -66,9 +68,9 @@ def checkpoint_shapes(model_path: str | Path) -> dict[str, list[int]]:
             header = json.loads(f.read(length))
         shapes.update({k: v["shape"] for k, v in header.items() if k != "__metadata__"})
     config = Path(model_path) / "config.json"
-    if "model.embed_tokens.weight" in shapes and config.is_file():
-        if json.loads(config.read_text()).get("tie_word_embeddings") and "lm_head.weight" not in shapes:
-            shapes["lm_head.weight"] = shapes["model.embed_tokens.weight"]  # tied: a state_dict still names it
+    tied = config.is_file() and json.loads(config.read_text()).get("tie_word_embeddings", False)
+    if tied and "model.embed_tokens.weight" in shapes and "lm_head.weight" not in shapes:
+        shapes["lm_head.weight"] = shapes["model.embed_tokens.weight"]  # tied: a state_dict still names it
     return shapes
 
 
@@ -184,12 +186,13 @@ class WeightLoader:
                 # KV blocks computed by the old weights must not be reused for new prompts.
                 await llm.reset_prefix_cache()
                 self.engine.set_weight_version(version)
+                done_at = time.perf_counter()
                 self.run_id = ann["run_id"]
             finally:
                 await llm.resume_generation()
             t4 = time.perf_counter()
             self.last_stats = LoadStats(version, ann["nbytes"], fetch_s, t1 - t0 - fetch_s, t2 - t1, t3 - t2,
-                                        t4 - t3, t4 - t0)
+                                        t4 - t3, t4 - t0, done_at)
             log.info("loaded weight version %d (%.1f MB) in %.3fs: fetch %.3f stage %.3f pause %.3f load %.3f "
                      "reset %.3f", version, ann["nbytes"] / 1e6, t4 - t0, fetch_s, t1 - t0 - fetch_s, t2 - t1,
                      t3 - t2, t4 - t3)

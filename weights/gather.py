@@ -35,7 +35,7 @@ def _start_gather(param: torch.Tensor, dtype: torch.dtype | None) -> torch.Tenso
     try:
         from torch.distributed.tensor import DTensor, Replicate
     except ImportError:  # torch without distributed
-        DTensor = None  # noqa: N806
+        DTensor = None
     if DTensor is not None and isinstance(tensor, DTensor):
         if dtype is not None:
             tensor = tensor.to(dtype)  # cast the local shard: less to gather

@@ -227,7 +227,7 @@ class WeightPublisher:
         """Stop serving, close sockets and remove the shared-memory segments (idempotent)."""
         self._finalizer()
 
-    def __enter__(self) -> WeightPublisher:
+    def __enter__(self) -> WeightPublisher:  # noqa: PYI034  (py3.10: no typing.Self)
         return self
 
     def __exit__(self, *exc) -> None:
