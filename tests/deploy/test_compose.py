@@ -4,7 +4,7 @@ shared memory and PID namespace with the learner, gRPC health checks, restart po
 
 There is no Docker engine here: `docker compose config` / `docker-compose config` parse, merge and interpolate the
 files exactly as `up` would, without starting anything. CI installs Debian's compose with
-`apt-get install -y docker-compose`; without a compose binary the compose tests skip, saying so.
+`apt-get install -y --no-install-recommends docker-compose`; without a compose binary the compose tests skip, saying so.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def _compose_command() -> list[str] | None:
 
 COMPOSE = _compose_command()
 needs_compose = pytest.mark.skipif(
-    COMPOSE is None, reason="no compose implementation (CI: apt-get install -y docker-compose)"
+    COMPOSE is None, reason="no compose implementation (CI: apt-get install -y --no-install-recommends docker-compose)"
 )
 
 

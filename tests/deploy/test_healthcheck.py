@@ -14,7 +14,8 @@ PROBE = Path(__file__).resolve().parents[2] / "deploy" / "healthcheck.py"
 
 
 def probe(port: int, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(PROBE), str(port), *extra], capture_output=True, text=True, timeout=60, check=False)
+    return subprocess.run([sys.executable, str(PROBE), str(port), *extra], capture_output=True, text=True, timeout=60,
+                          check=False)
 
 
 def test_probe_follows_the_serving_status(free_port):
