@@ -189,20 +189,100 @@ def _trl_worker(model: str, train_file: str, out: str, settings: Settings) -> No
 # The dgrpo side
 # ----------------------------------------------------------------------------------------------------------------
 
-def run_dgrpo(settings: Settings, model: Path, train_file: Path, out_dir: Path) -> SideResult:
-    """>>> FOR THE LEAD: wire `dgrpo up` here once cli/up.py exists. <<<
+def dgrpo_overrides(settings: Settings, train_file: Path, run_dir: Path) -> list[str]:
+    """The stack settings that mirror the TRL side (the keys of `dgrpo show-config`)."""
+    p, g = settings.prompts_per_step, settings.group_size
+    return [
+        "sampler.enforce_eager=true", "sampler.max_model_len=512", "sampler.kv_cache_space_gib=1",
+        f"learner.data.train_files=[{train_file}]", f"learner.data.train_batch_size={p}",
+        f"learner.data.seed={settings.seed}",
+        f"learner.rollout.n={g}", f"learner.rollout.max_response_length={settings.max_new_tokens}",
+        f"learner.rollout.temperature={settings.temperature}",
+        f"learner.actor.ppo_mini_batch_size={p}", f"learner.actor.micro_batch_size_per_device={p * g}",
+        f"learner.optim.lr={settings.lr}", "learner.optim.schedule=constant", "learner.optim.warmup_steps=0",
+        "learner.algorithm.beta=0.0", "learner.algorithm.adv_scale=group", "learner.algorithm.loss_agg=token-mean",
+        f"learner.trainer.total_training_steps={settings.steps}", f"learner.trainer.log_dir={run_dir}",
+        "learner.trainer.run_name=bench_vs_trl", "learner.trainer.loggers=[console,jsonl]",
+        f"learner.trainer.seed={settings.seed}", "learner.checkpoint.save_freq=0",
+        f"learner.checkpoint.dir={run_dir / 'checkpoints'}", "learner.checkpoint.resume=never",
+    ]
 
-    Run the whole stack with the same settings, e.g.
-        dgrpo up learner.data.train_files=[TRAIN] learner.data.train_batch_size=P learner.rollout.n=G
-                 learner.rollout.max_response_length=T learner.optim.lr=LR learner.rollout.temperature=1.0
-                 learner.algorithm.beta=0.0 learner.algorithm.adv_scale=group learner.algorithm.loss_agg=token-mean
-                 learner.actor.ppo_mini_batch_size=P learner.trainer.total_training_steps=STEPS
-                 learner.trainer.log_dir=OUT learner.trainer.run_name=bench_vs_trl
-    then read OUT/bench_vs_trl/metrics.jsonl (one object per step) into
-        SideResult(name="dgrpo", step_s=[m["time/step_s"]...], reward_mean=[m["reward/mean"]...],
-                   completions_per_step=P * G)
+
+def run_dgrpo(settings: Settings, model: Path, train_file: Path, out_dir: Path) -> SideResult:
+    """>>> FOR THE LEAD: once `dgrpo up` exists (cli/up.py), replace `_start_stack_by_hand` with
+    `dgrpo up <dgrpo_overrides(...)>` (one sampler replica, like the stand-in) and keep the metrics reading. <<<
+
+    Until then the three services are started here as separate processes, exactly as `dgrpo up` would start
+    them: rewarder, one sampler (vLLM-CPU), learner, on free ports, weights through shared memory.
     """
-    raise NotImplementedError("dgrpo side: waiting for `dgrpo up` (cli/up.py); see run_dgrpo's docstring")
+    run_dir = out_dir / "dgrpo-runs"
+    metrics = run_dir / "bench_vs_trl" / "metrics.jsonl"
+    metrics.unlink(missing_ok=True)
+    overrides = dgrpo_overrides(settings, train_file, run_dir)
+    _start_stack_by_hand(overrides, out_dir)
+    steps = [json.loads(line) for line in metrics.read_text().splitlines()]
+    steps = [m for m in steps if "reward/mean" in m]
+    return SideResult(
+        name="dgrpo (vLLM-CPU sampler + rewarder + learner processes)",
+        step_s=[m["time/step_s"] for m in steps], reward_mean=[m["reward/mean"] for m in steps],
+        completions_per_step=settings.prompts_per_step * settings.group_size,
+        notes="learner bf16 compute / fp32 master weights; " + ", ".join(
+            f"{k.split('/')[1]} {statistics.median(m[k] for m in steps):.1f} s"
+            for k in ("time/generate_s", "time/reward_s", "time/logprob_s", "time/train_s", "time/weight_sync_s")
+            if k in steps[0]),
+    )
+
+
+def _start_stack_by_hand(overrides: list[str], out_dir: Path) -> None:
+    """Stand-in for `dgrpo up`: rewarder + one sampler, then the learner in the foreground; all stopped after."""
+    import socket
+
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    def free_port() -> int:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            return sock.getsockname()[1]
+
+    ports = {name: free_port() for name in ("sampler", "rewarder", "announce", "control")}
+    wiring = [
+        f"sampler.port={ports['sampler']}", "sampler.host=127.0.0.1", f"sampler.addresses=[127.0.0.1:{ports['sampler']}]",
+        f"rewarder.port={ports['rewarder']}", "rewarder.host=127.0.0.1", "rewarder.workers=1",
+        f"learner.rollout.rewarder_address=127.0.0.1:{ports['rewarder']}", "learner.trainer.control_port=0",
+        f"weights.announce_port={ports['announce']}", f"weights.control_port={ports['control']}",
+    ]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    procs = []
+    try:
+        for name in ("rewarder", "sampler"):
+            log = open(out_dir / f"dgrpo-{name}.log", "w")  # noqa: SIM115 - closed with the process
+            procs.append(subprocess.Popen([sys.executable, "-m", "dgrpo.cli", name, *overrides, *wiring],
+                                          stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True))
+        for name, proc in zip(("rewarder", "sampler"), procs):
+            deadline = time.monotonic() + 600
+            with grpc.insecure_channel(f"127.0.0.1:{ports[name]}") as channel:
+                stub = health_pb2_grpc.HealthStub(channel)
+                while True:
+                    if proc.poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError(f"{name} did not start; see {out_dir / f'dgrpo-{name}.log'}")
+                    try:
+                        if stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == 1:
+                            break
+                    except grpc.RpcError:
+                        pass
+                    time.sleep(1)
+            print(f"[bench] dgrpo {name} serving", flush=True)
+        subprocess.run([sys.executable, "-m", "dgrpo.cli", "learner", *overrides, *wiring], check=True, env=env)
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, 9)
+                proc.wait()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -268,8 +348,8 @@ def main(argv: list[str] | None = None) -> int:
         if a.side in (side, "both"):
             try:
                 results.append(run(settings, model, train, a.out))
-            except NotImplementedError as e:
-                print(f"[bench] {side}: skipped ({e})", file=sys.stderr)
+            except (NotImplementedError, RuntimeError, subprocess.CalledProcessError) as e:
+                print(f"[bench] {side}: failed ({e})", file=sys.stderr)
     if results:
         report(settings, results)
         (a.out / "results.json").write_text(json.dumps([asdict(r) for r in results], indent=1))
