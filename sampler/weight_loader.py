@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import struct
 import time
 from dataclasses import dataclass
@@ -34,7 +33,7 @@ import zmq.asyncio
 
 from dgrpo.weights.config import WeightSyncConfig
 from dgrpo.weights.publisher import TOPIC
-from dgrpo.weights.shm import ShmSegment, reclaim_stale
+from dgrpo.weights.shm import ShmSegment, owner_tag, reclaim_stale
 
 log = logging.getLogger(__name__)
 
@@ -216,7 +215,7 @@ class WeightLoader:
             return None, 0, meta["error"]
         data = reply[1].buffer
         if self._staging is None:
-            self._staging = ShmSegment(Path(self.cfg.shm_dir) / f"dgrpo-r-{os.getpid()}-{id(self) % 10**6}")
+            self._staging = ShmSegment(Path(self.cfg.shm_dir) / f"dgrpo-r-{owner_tag()}-{id(self) % 10**6}")
         buf = self._staging.ensure(len(data))
         buf[: len(data)] = data
         return str(self._staging.path), meta["seq"], None

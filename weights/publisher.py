@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 import time
 import weakref
@@ -31,7 +30,7 @@ import torch
 import zmq
 
 from dgrpo.weights.config import WeightSyncConfig
-from dgrpo.weights.shm import RUN_ID, MemorySegment, ShmSegment, reclaim_stale
+from dgrpo.weights.shm import RUN_ID, MemorySegment, ShmSegment, owner_tag, reclaim_stale
 from dgrpo.weights.slot import SlotWriter, dtype_name
 
 log = logging.getLogger(__name__)
@@ -58,7 +57,7 @@ class PublishStats:
 
 
 def segment_path(shm_dir: str, run_id: str, slot: int) -> Path:
-    return Path(shm_dir) / f"dgrpo-w-{run_id}-{os.getpid()}-s{slot}"
+    return Path(shm_dir) / f"dgrpo-w-{run_id}-{owner_tag()}-s{slot}"
 
 
 class _Slots:

@@ -4,8 +4,10 @@ On Linux `shm_open(name)` is `open("/dev/shm/name")`; using the file directly (i
 multiprocessing.shared_memory) keeps the mode 0600 explicit and avoids Python's resource tracker, which unlinks a
 segment when *any* process that attached to it exits.
 
-Names carry the creating process id (`dgrpo-w-<run>-<pid>-s<slot>` for the learner's slots, `dgrpo-r-<pid>-<n>` for
-a sampler's tcp staging copy), so a starting process can tell a crashed run's segments (pid gone) from a live one's.
+Names carry the creating process's pid namespace and id (`dgrpo-w-<run>-<ns>-<pid>-s<slot>` for the learner's
+slots, `dgrpo-r-<ns>-<pid>-<n>` for a sampler's tcp staging copy), so a starting process can tell a crashed run's
+segments (pid gone) from a live one's. Only segments from our own pid namespace are judged: containers sharing
+/dev/shm see each other's segments but not each other's processes.
 """
 
 from __future__ import annotations
@@ -19,8 +21,21 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 PREFIX = "dgrpo-"
-_NAME = re.compile(r"^dgrpo-(?:w-(?P<run>[A-Za-z0-9_.-]+)-(?P<wpid>\d+)-s[01]|r-(?P<rpid>\d+)-\d+)$")
+_NAME = re.compile(r"^dgrpo-(?:w-[A-Za-z0-9_.-]+|r)-(?P<ns>\d+)-(?P<pid>\d+)-(?:s[01]|\d+)$")
 RUN_ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+def pid_namespace() -> int:
+    """Inode of this process's pid namespace (0 where /proc does not tell)."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def owner_tag() -> str:
+    """`<pid namespace>-<pid>`: the part of a segment name that identifies its creator."""
+    return f"{pid_namespace()}-{os.getpid()}"
 
 
 def _pid_alive(pid: int) -> bool:
@@ -43,8 +58,8 @@ def reclaim_stale(shm_dir: str | Path) -> list[str]:
         m = _NAME.match(path.name)
         if m is None:
             continue
-        pid = int(m.group("wpid") or m.group("rpid"))
-        if pid == os.getpid() or _pid_alive(pid):
+        pid = int(m.group("pid"))
+        if int(m.group("ns")) != pid_namespace() or pid == os.getpid() or _pid_alive(pid):
             continue
         try:
             size = path.stat().st_size
