@@ -62,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=OVERRIDE_HELP,
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    sub.add_parser("up", help="run the whole stack locally (rewarder, samplers, learner); `dgrpo up --help`",
+                   add_help=False)
     for name, (purpose, sections, _) in COMMANDS.items():
         p = sub.add_parser(
             name,
@@ -76,6 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["up"]:  # the launcher has its own options (--samplers, ...)
+        from dgrpo.cli.up import main as up_main
+
+        return up_main(argv[1:])
     args = build_parser().parse_args(argv)
     from dgrpo.cli.stack import StackConfig
 

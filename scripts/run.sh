@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/env.sh
-exec dgrpo demo "$@"
+exec dgrpo up "$@"

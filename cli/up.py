@@ -1,0 +1,250 @@
+"""`dgrpo up`: the whole stack on one host — rewarder, N sampler replicas and the learner as local processes.
+
+Wiring: every service reads the same resolved config file (written to `<log_dir>/<run_name>/stack.yaml`) plus
+its own port overrides, so there is one source of truth. Ports are picked free at start, so several stacks (and
+the test suite) can share a machine. Each service's output is prefixed with its name and also kept in
+`<run>/logs/<service>.log`.
+
+Supervision, as `docker compose up` does it: the rewarder and samplers start first and must answer gRPC health
+SERVING; then the learner runs. When the learner finishes, everything is stopped and a report is written.
+Ctrl-C (or SIGTERM) asks the learner to stop after its step (it checkpoints), then stops the rest. If any service
+dies, the whole stack is stopped and `up` exits non-zero. SIGHUP is forwarded to the rewarder: it reloads its
+reward specification in place (hot swap) while training goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dgrpo.common.config import ConfigError, load_config, to_yaml
+
+REPO_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+DEMO_CONFIG = REPO_CONFIGS / "cpu-demo.yaml"
+COLORS = ["\033[36m", "\033[33m", "\033[35m", "\033[32m", "\033[34m", "\033[31m"]
+RESET = "\033[0m"
+
+
+@dataclass
+class Service:
+    name: str
+    command: str
+    overrides: list[str]
+    port: int | None = None
+    proc: subprocess.Popen | None = None
+    log_path: Path | None = None
+    pump: threading.Thread | None = None
+    expected_exit: bool = False
+    lines: list[str] = field(default_factory=list)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Stack:
+    """Starts, watches and stops the local processes of one run."""
+
+    def __init__(self, config_path: Path, run_dir: Path, color: bool):
+        self.config_path, self.run_dir, self.color = config_path, run_dir, color
+        self.services: list[Service] = []
+        self._print_lock = threading.Lock()
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+
+    def start(self, svc: Service) -> Service:
+        svc.log_path = self.run_dir / "logs" / f"{svc.name}.log"
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        svc.proc = subprocess.Popen(
+            [sys.executable, "-m", "dgrpo.cli", svc.command, "--config", str(self.config_path), *svc.overrides],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True, text=True, bufsize=1,
+        )
+        color = COLORS[len(self.services) % len(COLORS)] if self.color else ""
+        prefix = f"{color}{svc.name:<10}|{RESET if self.color else ''} "
+        svc.pump = threading.Thread(target=self._pump, args=(svc, prefix), daemon=True)
+        svc.pump.start()
+        self.services.append(svc)
+        return svc
+
+    def _pump(self, svc: Service, prefix: str) -> None:
+        with open(svc.log_path, "w") as log_file:
+            for line in svc.proc.stdout:
+                log_file.write(line)
+                log_file.flush()
+                svc.lines = (svc.lines + [line])[-50:]
+                if _worth_showing(line):
+                    with self._print_lock:
+                        sys.stdout.write(prefix + line)
+                        sys.stdout.flush()
+
+    def wait_serving(self, svc: Service, timeout: float) -> None:
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        deadline = time.monotonic() + timeout
+        with grpc.insecure_channel(f"127.0.0.1:{svc.port}") as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while time.monotonic() < deadline:
+                if svc.proc.poll() is not None:
+                    raise RuntimeError(f"{svc.name} exited with {svc.proc.returncode} while starting:\n"
+                                       + "".join(svc.lines[-20:]))
+                try:
+                    if stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == \
+                            health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.5)
+        raise TimeoutError(f"{svc.name} not SERVING after {timeout:.0f}s (log: {svc.log_path})")
+
+    def failed(self) -> Service | None:
+        for svc in self.services:
+            if svc.proc.poll() is not None and not svc.expected_exit:
+                return svc
+        return None
+
+    def signal(self, name_prefix: str, sig: int) -> None:
+        for svc in self.services:
+            if svc.name.startswith(name_prefix) and svc.proc.poll() is None:
+                svc.proc.send_signal(sig)
+
+    def stop_all(self, timeout: float = 60) -> None:
+        """SIGTERM everything still running (learner first, so it can checkpoint), SIGKILL what hangs."""
+        for svc in sorted(self.services, key=lambda s: s.command != "learner"):
+            svc.expected_exit = True
+            if svc.proc.poll() is None:
+                svc.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for svc in self.services:
+            try:
+                svc.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(svc.proc.pid, signal.SIGKILL)
+                svc.proc.wait()
+        for svc in self.services:
+            if svc.pump is not None:
+                svc.pump.join(5)
+
+
+def _worth_showing(line: str) -> bool:
+    """vLLM and transformers are chatty; the terminal shows our services' lines, warnings and errors."""
+    if "dgrpo" in line or "ERROR" in line or "Traceback" in line or "Error" in line:
+        return True
+    return not line.startswith(("(EngineCore", "(Worker", "(MainProcess", "Loading", "[W", "  ")) and "INFO" not in line
+
+
+def resolve_stack(args) -> tuple:
+    """Load the config (the CPU demo when no --config is given), write demo data if needed, pick ports."""
+    from dgrpo.cli.stack import StackConfig
+
+    config_file = args.config
+    if config_file is None:
+        if not DEMO_CONFIG.is_file():
+            raise ConfigError(f"no --config given and the demo config {DEMO_CONFIG} is missing")
+        config_file = DEMO_CONFIG
+    cfg = load_config(StackConfig, config_file, args.overrides)
+    run_dir = Path(cfg.learner.trainer.log_dir) / cfg.learner.trainer.run_name
+    extra: list[str] = []
+    if args.config is None and not args.no_demo_data:
+        from dgrpo.cli.tasks import DEMO_TASK, write_task
+
+        train, val = write_task(run_dir / "data", DEMO_TASK)
+        extra += [f"learner.data.train_files=[{train}]", f"learner.data.val_files=[{val}]"]
+    sampler_ports = [_free_port() for _ in range(args.samplers)]
+    rewarder_port = _free_port()
+    extra += [
+        "sampler.host=127.0.0.1",
+        f"sampler.addresses=[{', '.join(f'127.0.0.1:{p}' for p in sampler_ports)}]",
+        "rewarder.host=127.0.0.1", f"rewarder.port={rewarder_port}",
+        f"learner.rollout.rewarder_address=127.0.0.1:{rewarder_port}",
+        f"learner.trainer.control_port={_free_port()}",
+        f"weights.announce_port={_free_port()}", f"weights.control_port={_free_port()}",
+    ]
+    cfg = load_config(StackConfig, config_file, [*args.overrides, *extra])
+    cfg.check_whole_stack()
+    return cfg, run_dir, sampler_ports, rewarder_port
+
+
+def run(args) -> int:
+    try:
+        cfg, run_dir, sampler_ports, rewarder_port = resolve_stack(args)
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"dgrpo up: {e}", file=sys.stderr)
+        return 2
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config_path = run_dir / "stack.yaml"
+    config_path.write_text(to_yaml(cfg))
+    print(f"dgrpo up: run {cfg.learner.trainer.run_name}: {len(sampler_ports)} sampler(s), rewarder, learner; "
+          f"config {config_path}, logs {run_dir / 'logs'}", flush=True)
+
+    stack = Stack(config_path, run_dir, color=sys.stdout.isatty())
+    interrupted = {"count": 0}
+
+    def on_interrupt(signum, frame):
+        interrupted["count"] += 1
+        print(f"\ndgrpo up: {'stopping' if interrupted['count'] == 1 else 'stopping now'} ...", flush=True)
+        stack.signal("learner", signal.SIGTERM if interrupted["count"] == 1 else signal.SIGKILL)
+
+    signal.signal(signal.SIGINT, on_interrupt)
+    signal.signal(signal.SIGTERM, on_interrupt)
+    signal.signal(signal.SIGHUP, lambda *_: stack.signal("rewarder", signal.SIGHUP))
+
+    code = 1
+    try:
+        rewarder = stack.start(Service("rewarder", "rewarder", [], rewarder_port))
+        samplers = [stack.start(Service(f"sampler-{i}", "sampler",
+                                        [f"sampler.port={p}", f"sampler.replica_id=sampler-{i}"], p))
+                    for i, p in enumerate(sampler_ports)]
+        for svc in [rewarder, *samplers]:
+            stack.wait_serving(svc, args.start_timeout)
+            if interrupted["count"]:
+                return 130
+        learner = stack.start(Service("learner", "learner", []))
+        while learner.proc.poll() is None:
+            broken = stack.failed()
+            if broken is not None and broken is not learner:
+                print(f"dgrpo up: {broken.name} exited with {broken.proc.returncode}; stopping the stack", flush=True)
+                return 1
+            time.sleep(0.5)
+        learner.expected_exit = True
+        code = learner.proc.returncode
+        if code == 0 and not interrupted["count"]:
+            from dgrpo.cli.report import write_report
+
+            write_report(run_dir, cfg)
+        return 130 if interrupted["count"] and code == 0 else code
+    except (RuntimeError, TimeoutError) as e:
+        print(f"dgrpo up: {e}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        stack.stop_all()
+        print(f"dgrpo up: stopped (exit {code}); logs in {run_dir / 'logs'}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="dgrpo up",
+        description="Run the whole stack locally: rewarder, N sampler replicas, learner. With no --config: the "
+                    "CPU demo (the bundled SmolLM2-135M-Instruct learns arithmetic, about 15 minutes on 2 cores).",
+        epilog="Overrides: dotted KEY=VALUE pairs as for every dgrpo command (see `dgrpo learner --help`). "
+               "Send SIGHUP to `dgrpo up` to make the rewarder reload its reward specification in place.",
+    )
+    parser.add_argument("--config", type=Path, help="stack YAML (default: configs/cpu-demo.yaml with generated data)")
+    parser.add_argument("--samplers", type=int, default=1, help="sampler replicas to start (default 1)")
+    parser.add_argument("--no-demo-data", action="store_true", help="do not generate the demo task's data")
+    parser.add_argument("--start-timeout", type=float, default=600, help="seconds for a service to become healthy")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    args = parser.parse_args(argv)
+    if args.samplers < 1:
+        parser.error("--samplers must be >= 1")
+    return run(args)
