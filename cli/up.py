@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -23,6 +24,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from tqdm import tqdm
 
 from dgrpo.common.config import ConfigError, load_config, to_yaml
 
@@ -84,8 +87,7 @@ class Stack:
                 svc.lines = (svc.lines + [line])[-50:]
                 if _worth_showing(line):
                     with self._print_lock:
-                        sys.stdout.write(prefix + line)
-                        sys.stdout.flush()
+                        tqdm.write(prefix + line.rstrip("\n"), file=sys.stdout)
 
     def wait_serving(self, svc: Service, timeout: float) -> None:
         import grpc
@@ -136,11 +138,50 @@ class Stack:
                 svc.pump.join(5)
 
 
+OUR_LOG_LINE = re.compile(r"^\d\d:\d\d:\d\d (?P<level>[A-Z]+) \[\w+\] (?P<logger>\S+):")
+TRACEBACK_LINE = re.compile(r"^(Traceback|  File |\w+(Error|Exception)\b)")
+
+
 def _worth_showing(line: str) -> bool:
-    """vLLM and transformers are chatty; the terminal shows our services' lines, warnings and errors."""
-    if "dgrpo" in line or "ERROR" in line or "Traceback" in line or "Error" in line:
-        return True
-    return not line.startswith(("(EngineCore", "(Worker", "(MainProcess", "Loading", "[W", "  ")) and "INFO" not in line
+    """vLLM and transformers are chatty: the terminal shows dgrpo's own log lines, errors and tracebacks
+    (every line still goes to the service's log file)."""
+    m = OUR_LOG_LINE.match(line)
+    if m:
+        return m["logger"].startswith("dgrpo") or m["level"] in ("ERROR", "CRITICAL")
+    if line.startswith("("):  # vLLM's engine / worker processes
+        return " ERROR " in line
+    return line.startswith("dgrpo ") or bool(TRACEBACK_LINE.match(line))
+
+
+class Progress:
+    """A progress bar with the live reward, fed by the learner's metrics.jsonl."""
+
+    def __init__(self, metrics_path: Path, total: int | None):
+        self.path, self.offset = metrics_path, 0
+        self.bar = tqdm(total=total, desc="training", unit="step", dynamic_ncols=True, file=sys.stdout)
+
+    def update(self) -> None:
+        import json
+
+        if not self.path.is_file():
+            return
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            for line in f:
+                if not line.endswith(b"\n"):
+                    break  # a partial line: read it next time
+                self.offset += len(line)
+                record = json.loads(line)
+                if "reward/mean" in record:
+                    self.bar.update(1)
+                    self.bar.set_postfix(reward=f"{record['reward/mean']:.3f}", kl=f"{record.get('actor/kl', 0):.4f}",
+                                         len=f"{record.get('response/length_mean', 0):.0f}", refresh=False)
+                elif "val/reward_mean" in record:
+                    self.bar.set_postfix_str(f"val reward {record['val/reward_mean']:.3f}", refresh=False)
+        self.bar.refresh()
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 def resolve_stack(args) -> tuple:
@@ -210,12 +251,16 @@ def run(args) -> int:
             if interrupted["count"]:
                 return 130
         learner = stack.start(Service("learner", "learner", []))
+        progress = Progress(run_dir / "metrics.jsonl", cfg.learner.trainer.total_training_steps)
         while learner.proc.poll() is None:
             broken = stack.failed()
             if broken is not None and broken is not learner:
                 print(f"dgrpo up: {broken.name} exited with {broken.proc.returncode}; stopping the stack", flush=True)
                 return 1
+            progress.update()
             time.sleep(0.5)
+        progress.update()
+        progress.close()
         learner.expected_exit = True
         code = learner.proc.returncode
         if code == 0 and not interrupted["count"]:

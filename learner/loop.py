@@ -272,6 +272,9 @@ class Trainer:
             "reward/errors": float(sum(not ok for sg in scored for ok in sg.reward.valid)),
             "reward/retries": float(sum(sg.reward.retries for sg in scored)),
             "reward/busy_s": self._reward_busy,
+            # Which reward scored this step (a hot swap shows as a step up); min and max differ mid-swap.
+            "reward/spec_version_min": float(min(sg.reward.spec_version for sg in scored)),
+            "reward/spec_version_max": float(max(sg.reward.spec_version for sg in scored)),
             "response/length_mean": lengths.mean().item(),
             "response/length_max": lengths.max().item(),
             "response/clip_frac": sum(c.finish_reason == LENGTH for c in finished) / len(finished),

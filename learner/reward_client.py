@@ -45,6 +45,8 @@ class GroupReward:
     """Per-function values of each completion (a function that returned None is absent)."""
     spec: str
     """The reward specification that produced the scores: name@version#hash-prefix."""
+    spec_version: int = 0
+    """That specification's version in the rewarder (increments on each reload): the learner logs it per step."""
     errors: list[str] = field(default_factory=list)
     """Messages of the failed completions."""
     retries: int = 0
@@ -129,6 +131,7 @@ class RewardClient:
             valid=valid,
             breakdown=[dict(s.breakdown) for s in scores],
             spec=_spec_name(response.spec),
+            spec_version=response.spec.version,
             errors=[s.message for s, ok in zip(scores, valid) if not ok],
             retries=retries,
         )
