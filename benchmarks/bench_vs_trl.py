@@ -168,6 +168,7 @@ def _trl_worker(model: str, train_file: str, out: str, settings: Settings) -> No
         use_vllm=False,
         use_cpu=True,
         bf16=False,
+        gradient_checkpointing=False,  # TRL's GRPO default is True; dgrpo's is off (and it only costs time here)
         logging_steps=1,
         save_strategy="no",
         report_to=[],
