@@ -58,7 +58,7 @@ def stack(tiny_model, tmp_path_factory):
             "weights": {"announce_port": announce, "control_port": control},
             "learner": {
                 "data": {"train_files": [str(root / "train.jsonl")], "val_files": [str(root / "val.jsonl")],
-                         "train_batch_size": 4, "max_prompt_length": 64},
+                         "train_batch_size": 2, "max_prompt_length": 64},
                 "rollout": {"n": 4, "max_response_length": 16, "seed": 3, "rewarder_address": rewarder.address},
                 "actor": {"ppo_mini_batch_size": 2, "micro_batch_size_per_device": 8, "dtype": "float32",
                           "compute_entropy": False},
@@ -71,6 +71,9 @@ def stack(tiny_model, tmp_path_factory):
         (root / "stack.yaml").write_text(yaml.safe_dump(config))
         yield {"root": root, "config": root / "stack.yaml", "samplers": samplers, "rewarder": rewarder}
     finally:
+        for svc in [rewarder, *samplers]:  # SIGTERM all first: they shut down in parallel
+            if svc.proc.poll() is None:
+                svc.proc.terminate()
         for svc in [rewarder, *samplers]:
             svc.stop(timeout=30)
 
@@ -125,8 +128,9 @@ def test_resume_repeats_the_uninterrupted_step_and_stop_rpc(stack):
     control = argv[-1].split("=")[1]
     seen: list[learner_pb2.LearnerStatus] = []
 
-    def stop_after_step_2() -> None:
-        with grpc.insecure_channel(f"127.0.0.1:{control}") as ch:
+    def stop_during_step_2() -> None:
+        fast_reconnect = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 500)]
+        with grpc.insecure_channel(f"127.0.0.1:{control}", options=fast_reconnect) as ch:
             stub = learner_pb2_grpc.LearnerStub(ch)
             deadline = time.monotonic() + 300
             while time.monotonic() < deadline:
@@ -136,19 +140,19 @@ def test_resume_repeats_the_uninterrupted_step_and_stop_rpc(stack):
                     time.sleep(0.2)
                     continue
                 seen.append(status)
-                if status.step >= 2:
+                if status.step >= 2 or (status.step == 1 and status.phase == "training"):
                     stub.Stop(learner_pb2.StopRequest(reason="test"), timeout=5)
                     return
                 time.sleep(0.2)
 
-    watcher = threading.Thread(target=stop_after_step_2, daemon=True)
+    watcher = threading.Thread(target=stop_during_step_2, daemon=True)
     watcher.start()
     assert main(argv) == 0
     watcher.join(timeout=10)
 
     assert seen and seen[0].total_steps == 6
-    assert any(s.step == 2 and s.weight_version > 2 for s in seen)  # resumed weights were published as v3
-    assert any("reward/mean" in s.metrics for s in seen if s.step == 2)
+    # Replicas held run a's v2: the resumed weights were published as v3, and each step adds one.
+    assert all(s.weight_version == s.step + 2 for s in seen if s.phase != "setup")
     done = sorted(int(p.name.split("_")[1]) for p in (root / "ckpt_b").glob("step_*"))
     assert 2 in done and max(done) < 6  # stopped early, with a checkpoint
     a = torch.load(root / "ckpt_a" / "step_2" / "model.pt", weights_only=True)
@@ -192,8 +196,8 @@ def test_replica_killed_mid_step_loses_and_duplicates_nothing(stack):
     from dgrpo.learner.rollout import RolloutClient, RolloutConfig, RolloutStats, make_prompt
 
     victim, survivor = stack["samplers"]
-    prompts = [make_prompt(f"p{i}", [1, 2, 3, 10 + i]) for i in range(12)]
-    sampling = sampler_pb2.SamplingParams(n=2, max_tokens=200, temperature=1.0)
+    prompts = [make_prompt(f"p{i}", [1, 2, 3, 10 + i]) for i in range(8)]
+    sampling = sampler_pb2.SamplingParams(n=2, max_tokens=100, temperature=1.0)
     cfg = RolloutConfig(prompts_per_request=2, retry_backoff_s=0.2, max_backoff_s=1.0, step_timeout_s=300)
 
     async def scenario() -> tuple[list[sampler_pb2.Group], RolloutStats]:
