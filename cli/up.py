@@ -273,6 +273,11 @@ def run(args) -> int:
         return 1
     finally:
         stack.stop_all()
+        # A learner killed hard (second Ctrl-C) leaves its weight slots behind: reclaim dead owners' segments.
+        from dgrpo.weights.shm import reclaim_stale
+
+        if cfg.weights.transport == "shm":
+            reclaim_stale(cfg.weights.shm_dir)
         print(f"dgrpo up: stopped (exit {code}); logs in {run_dir / 'logs'}", flush=True)
 
 
