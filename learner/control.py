@@ -11,7 +11,6 @@ import math
 from dataclasses import dataclass, field
 
 import grpc
-
 from dgrpo.common.grpc_server import CHANNEL_OPTIONS, add_standard_services, set_health
 from dgrpo.v1 import learner_pb2, learner_pb2_grpc
 
@@ -43,7 +42,7 @@ class LearnerServicer(learner_pb2_grpc.LearnerServicer):
     def __init__(self, state: LoopState):
         self.state = state
 
-    async def Status(self, request, context) -> learner_pb2.LearnerStatus:  # noqa: N802 (gRPC name)
+    async def Status(self, request, context) -> learner_pb2.LearnerStatus:
         s = self.state
         return learner_pb2.LearnerStatus(
             step=s.step, total_steps=s.total_steps, weight_version=s.weight_version, epoch=s.epoch, phase=s.phase,
@@ -51,7 +50,7 @@ class LearnerServicer(learner_pb2_grpc.LearnerServicer):
             stop_requested=s.stop_requested,
         )
 
-    async def Stop(self, request, context) -> learner_pb2.StopResponse:  # noqa: N802
+    async def Stop(self, request, context) -> learner_pb2.StopResponse:
         self.state.request_stop(request.reason)
         return learner_pb2.StopResponse(stopping_after_step=self.state.step + 1)
 

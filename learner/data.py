@@ -17,9 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field
-
 from dgrpo.common.config import ConfigError, StrictConfig
+from pydantic import Field
 
 log = logging.getLogger(__name__)
 

@@ -22,8 +22,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import torch
-
 from dgrpo.common.config import to_yaml
 from dgrpo.common.devices import detect_device
 from dgrpo.common.models import resolve_model_path
@@ -62,6 +62,7 @@ class Trainer:
         self.state = LoopState()
         self.step_num = 0
         self.version = 0
+        self._reward_specs: set[str] = set()
 
     # ---- setup ---------------------------------------------------------------------------------------
 
@@ -283,6 +284,11 @@ class Trainer:
             "rollout/stale_completions": float(stale),
         }
         m.update(_breakdown_means(scored, "reward"))
+        specs = {sg.reward.spec for sg in scored}
+        if specs != self._reward_specs:  # a hot-swapped reward function shows up here, named and hashed
+            log.info("rewards of step %d come from %s (before: %s)", self.step_num + 1, ", ".join(sorted(specs)),
+                     ", ".join(sorted(self._reward_specs)) or "none")
+            self._reward_specs = specs
         return m
 
     async def sync_initial_weights(self) -> None:
@@ -298,7 +304,7 @@ class Trainer:
             for address in await self.rollout.replicas():
                 try:
                     versions.append((await self.rollout.info(address)).weight_version)
-                except Exception as e:  # an unreachable replica catches up from the publisher when it is back
+                except grpc.aio.AioRpcError as e:  # an unreachable replica catches up when it is back
                     log.warning("sampler %s did not answer Info (%s); it will catch up when it is back", address, e)
         newest = broadcast_object(max(versions), self.ctx)
         if self.step_num == 0 and newest == 0:

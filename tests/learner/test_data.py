@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from dgrpo.common.config import ConfigError
 from dgrpo.learner.data import DataConfig, PromptStream, check_files, load_prompts, tokenize_prompt
 
@@ -94,7 +93,7 @@ def _records(n):
 
 
 def test_stream_is_seeded_covers_each_epoch_and_resumes():
-    rows = lambda batch: [r.row for r in batch]  # noqa: E731
+    rows = lambda batch: [r.row for r in batch]
     a = PromptStream(_records(10), 4, seed=7)
     first = [rows(a.next_batch()) for _ in range(5)]  # 20 prompts: two epochs exactly
     assert sorted(first[0] + first[1] + first[2][:2]) == list(range(10))  # epoch 0 visits every row once
