@@ -224,13 +224,17 @@ class Trainer:
             return result
 
         t0 = time.perf_counter()
-        async for group in self.rollout.generate(prompts, self.sampling_params(greedy=greedy),
-                                                 min_weight_version=self.version, stats=stats):
-            i = int(group.prompt_id.removeprefix(prefix))
-            groups[i] = group
-            scoring[i] = asyncio.create_task(score(i, group))
-        t1 = time.perf_counter()
-        rewards = dict(zip(scoring, await asyncio.gather(*scoring.values())))
+        try:
+            async for group in self.rollout.generate(prompts, self.sampling_params(greedy=greedy),
+                                                     min_weight_version=self.version, stats=stats):
+                i = int(group.prompt_id.removeprefix(prefix))
+                groups[i] = group
+                scoring[i] = asyncio.create_task(score(i, group))
+            t1 = time.perf_counter()
+            rewards = dict(zip(scoring, await asyncio.gather(*scoring.values())))
+        finally:  # on a failure, no scoring call outlives the step
+            for task in scoring.values():
+                task.cancel()
         t2 = time.perf_counter()
         timer.add("generate", t1 - t0)
         timer.add("reward", t2 - t1)  # only the tail: scoring overlapped generation until t1

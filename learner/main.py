@@ -29,6 +29,8 @@ def main(cfg) -> int:
     for key, value in learner_env(detect_device(cfg.model.device)).items():
         os.environ.setdefault(key, value)
     from dgrpo.learner.loop import Trainer
+    from dgrpo.learner.reward_client import RewardError
+    from dgrpo.learner.rollout import RolloutError
 
     trainer = Trainer(cfg)
     try:
@@ -37,6 +39,10 @@ def main(cfg) -> int:
     except ConfigError as e:
         print(f"dgrpo learner: {e}", file=sys.stderr)
         return 2
+    except (RolloutError, RewardError) as e:
+        log.error("training stopped at step %d: %s (resume from the last checkpoint once the services are back)",
+                  trainer.step_num, e)
+        return 1
     finally:
         from dgrpo.learner.distributed import shutdown_distributed
 

@@ -255,6 +255,9 @@ class RolloutClient:
                                             f"{e.details()}")
             except _StreamEnded as e:
                 delay = await self._requeue(address, chunk, pending, queue, stats, delay, str(e))
+            except Exception as e:  # noqa: BLE001 (anything else is a bug: surface it rather than hang the step)
+                out.put_nowait(e)
+                return
             finally:
                 # A worker cancelled mid-stream (the step is over or failed) aborts its engine requests.
                 call.cancel()
