@@ -125,6 +125,8 @@ def main() -> None:
             stats = pub.publish(state.items(), version)
             for r in replicas:
                 r.run(r.engine.wait_for_version(version, 120), 150)
+                while r.loader.last_stats is None or r.loader.last_stats.version < version:
+                    time.sleep(0.001)  # stats are recorded just after the version (after resume)
             loads = [r.loader.last_stats for r in replicas]
             end_to_end = max(s.done_at for s in loads) - t0
             if version > 1:  # the first round pays page faults of fresh segments and buffers

@@ -163,7 +163,9 @@ class WeightLoader:
                 return False
             version, t0 = ann["version"], time.perf_counter()
             problem = self._check_manifest(ann)
-            path, seq, fetch_s = ann["path"], ann["seq"], 0.0
+            # The slot's name, under our own shm_dir: a container may mount the learner's /dev/shm elsewhere.
+            path = str(Path(self.cfg.shm_dir) / Path(ann["path"]).name) if ann["path"] else None
+            seq, fetch_s = ann["seq"], 0.0
             if problem is None and (self.cfg.transport == "tcp" or path is None):
                 path, seq, problem = await self._fetch(ann)
                 fetch_s = time.perf_counter() - t0
