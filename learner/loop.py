@@ -158,39 +158,44 @@ class Trainer:
         sequences, metrics = None, {}
         if self.ctx.is_main:
             batch = self.train_data.next_batch()
-            self.state.phase = "sampling"
-            scored, rollout_stats = await self.sample_and_score(batch, timer)
-            sequences, metrics = self.to_sequences(scored)
+            scored, rollout_stats = await self.sample_and_score(batch, timer)  # groups, each scored on arrival
+            sequences, metrics = self.to_sequences(scored)  # group-normalized advantages
             metrics.update(rollout_stats.as_metrics())
-        sequences = broadcast_object(sequences, self.ctx)
-        self.state.phase = "training"
-        with timer.phase("train"):
-            actor_metrics = await asyncio.to_thread(self.actor.update, sequences, self.lc.rollout.n)
-        # The actor times its no-grad logprob forwards inside update(): report them as their own phase.
-        timer.add("train", -actor_metrics.get("timing/logprob_s", 0.0))
-        timer.add("logprob", actor_metrics.get("timing/logprob_s", 0.0))
+        sequences = broadcast_object(sequences, self.ctx)  # every rank trains on its share of the same batch
+        metrics.update(await self.train(sequences, timer))
         self.step_num += 1
         self.version += 1
         self.state.phase = "publishing"
         with timer.phase("weight_sync"):
-            publish_s = self.publish()
+            metrics["weights/publish_s"] = self.publish()  # samplers load it before the next rollout
+        self.log_step(timer, metrics, sequences)
+
+    # ---- the pieces of a step -------------------------------------------------------------------------
+
+    async def train(self, sequences: list[Sequence], timer: StepTimer) -> dict[str, float]:
+        """The actor update, in a worker thread so the control service keeps answering."""
+        self.state.phase = "training"
+        with timer.phase("train"):
+            metrics = await asyncio.to_thread(self.actor.update, sequences, self.lc.rollout.n)
+        # The actor times its no-grad logprob forwards inside update(): report them as their own phase.
+        logprob_s = metrics.get("timing/logprob_s", 0.0)
+        timer.add("train", -logprob_s)
+        timer.add("logprob", logprob_s)
+        return metrics
+
+    def log_step(self, timer: StepTimer, metrics: dict[str, float], sequences: list[Sequence]) -> None:
         if self.ctx.is_main:
             times, bottleneck = timer.metrics()
-            metrics.update(actor_metrics)
             metrics.update(times)
-            tokens = sum(len(s) for s in sequences)
             metrics.update({
-                "perf/tokens_per_s": tokens / times["time/step_s"],
+                "perf/tokens_per_s": sum(len(s) for s in sequences) / times["time/step_s"],
                 "perf/generated_tokens_per_s": metrics["response/tokens"] / max(times.get("time/generate_s", 0), 1e-9),
                 "weights/version": float(self.version),
-                "weights/publish_s": publish_s,
                 "data/epoch": float(self.train_data.epoch),
             })
             self.metrics.log(self.step_num, self.total_steps, metrics, bottleneck)
             self.state.metrics = metrics
         self.state.step, self.state.weight_version, self.state.epoch = self.step_num, self.version, self.train_data.epoch
-
-    # ---- the pieces of a step -------------------------------------------------------------------------
 
     def sampling_params(self, *, greedy: bool = False) -> sampler_pb2.SamplingParams:
         r = self.lc.rollout
@@ -208,6 +213,7 @@ class Trainer:
         self, batch: list[PromptRecord], timer: StepTimer, *, greedy: bool = False, tag: str = "s"
     ) -> tuple[list[ScoredGroup], RolloutStats]:
         """Stream the batch's groups from the samplers; score each group the moment it arrives."""
+        self.state.phase = "sampling" if tag == "s" else "validating"
         prefix = f"{tag}{self.step_num + 1}-"
         prompts = [make_prompt(f"{prefix}{i}", rec.token_ids) for i, rec in enumerate(batch)]
         stats = RolloutStats()

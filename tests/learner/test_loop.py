@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import random
+import socket
 import subprocess
 import sys
 import threading
@@ -27,6 +29,20 @@ REWARD_FNS = Path(__file__).with_name("reward_fns.py")
 REWARD_SPEC = f"rewarder.spec={{name: test, functions: [{{type: file, path: {REWARD_FNS}, function: char_diversity}}]}}"
 
 
+def fixed_port() -> int:
+    """A free port below Linux's ephemeral range (32768-60999). The learner binds the weight-sync ports minutes after
+    they are chosen; meanwhile engines' bind(0) and outgoing connections draw from the ephemeral range, not here."""
+    for _ in range(200):
+        port = random.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-32000")
+
+
 def start_rewarder(port: int) -> ServiceProcess:
     return ServiceProcess("rewarder", [f"rewarder.port={port}", "rewarder.host=127.0.0.1", "rewarder.workers=1",
                                        REWARD_SPEC], port)
@@ -36,7 +52,7 @@ def start_rewarder(port: int) -> ServiceProcess:
 def stack(tiny_model, tmp_path_factory):
     """Rewarder + two sampler replicas subscribed to weight sync on free ports; all started in parallel."""
     root = tmp_path_factory.mktemp("loop")
-    announce, control = free_port(), free_port()
+    announce, control = fixed_port(), fixed_port()
     weights = [f"weights.announce_port={announce}", f"weights.control_port={control}"]
     samplers = [
         ServiceProcess("sampler", [f"model.path={tiny_model}", "model.dtype=float32", f"sampler.port={port}",
@@ -123,7 +139,7 @@ def test_resume_repeats_the_uninterrupted_step_and_stop_rpc(stack):
     root = stack["root"]
     argv = ["learner", "--config", str(stack["config"]), f"learner.checkpoint.resume={root / 'ckpt_a' / 'step_1'}",
             f"learner.checkpoint.dir={root / 'ckpt_b'}", "learner.trainer.run_name=b",
-            "learner.trainer.total_training_steps=6", f"learner.trainer.control_port={free_port()}"]
+            "learner.trainer.total_training_steps=6", f"learner.trainer.control_port={fixed_port()}"]
     control = argv[-1].split("=")[1]
     seen: list[learner_pb2.LearnerStatus] = []
 
