@@ -33,6 +33,7 @@ HERE = Path(__file__).resolve().parent
 TRL_VENV = HERE / ".venv-trl"
 TRL_REQUIREMENTS = HERE / "requirements-trl.txt"
 ANCHOR_TRL_S_PER_STEP = 60.0  # design.md: TRL 1.16 on this machine, 8 prompts x 4 completions, 64 tokens
+MICRO_BATCH = 8  # sequences per forward/backward on both sides
 
 
 @dataclass
@@ -155,9 +156,10 @@ def _trl_worker(model: str, train_file: str, out: str, settings: Settings) -> No
         weight_decay=0.01,  # dgrpo's default AdamW weight decay
         max_grad_norm=1.0,
         # One optimizer update per step over all completions of the step's prompts (dgrpo: ppo_mini_batch_size =
-        # train_batch_size).
-        per_device_train_batch_size=completions,
-        gradient_accumulation_steps=1,
+        # train_batch_size), in micro-batches of MICRO_BATCH sequences like dgrpo's micro_batch_size_per_device.
+        # (32 sequences at once peaked at 7.4 GB RSS and was OOM-killed on the shared 24 GiB machine.)
+        per_device_train_batch_size=MICRO_BATCH,
+        gradient_accumulation_steps=completions // MICRO_BATCH,
         num_generations=settings.group_size,
         max_completion_length=settings.max_new_tokens,
         temperature=settings.temperature,
@@ -196,10 +198,10 @@ def dgrpo_overrides(settings: Settings, train_file: Path, run_dir: Path) -> list
     return [
         "sampler.enforce_eager=true", "sampler.max_model_len=512", "sampler.kv_cache_space_gib=1",
         f"learner.data.train_files=[{train_file}]", f"learner.data.train_batch_size={p}",
-        f"learner.data.seed={settings.seed}",
+        f"learner.data.seed={settings.seed}", "learner.data.max_prompt_length=128",
         f"learner.rollout.n={g}", f"learner.rollout.max_response_length={settings.max_new_tokens}",
         f"learner.rollout.temperature={settings.temperature}",
-        f"learner.actor.ppo_mini_batch_size={p}", f"learner.actor.micro_batch_size_per_device={p * g}",
+        f"learner.actor.ppo_mini_batch_size={p}", f"learner.actor.micro_batch_size_per_device={MICRO_BATCH}",
         f"learner.optim.lr={settings.lr}", "learner.optim.schedule=constant", "learner.optim.warmup_steps=0",
         "learner.algorithm.beta=0.0", "learner.algorithm.adv_scale=group", "learner.algorithm.loss_agg=token-mean",
         f"learner.trainer.total_training_steps={settings.steps}", f"learner.trainer.log_dir={run_dir}",
