@@ -109,6 +109,8 @@ class RolloutStats:
             "rollout/retried_prompts": self.retried_prompts,
             "rollout/duplicates_dropped": self.duplicates_dropped,
             "rollout/replicas": self.replicas,
+            # How the load balanced out: groups each replica delivered this step.
+            **{f"rollout/groups_by_replica/{rid}": float(n) for rid, n in sorted(self.groups_by_replica.items())},
         }
 
 

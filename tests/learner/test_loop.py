@@ -116,6 +116,7 @@ def test_short_run_trains_publishes_and_logs(stack, tiny_model):
     assert all(math.isfinite(r["actor/loss"]) and math.isfinite(r["actor/grad_norm"]) for r in steps)
     assert [r["weights/version"] for r in steps] == [1.0, 2.0]
     assert all(r["rollout/replicas"] == 2 and r["rollout/failed_calls"] == 0 for r in steps)
+    assert all(r["rollout/groups_by_replica/r0"] == r["rollout/groups_by_replica/r1"] == 1 for r in steps)
     assert all(r["rollout/stale_completions"] == 0 for r in steps)  # step 2 sampled on version 1
     assert all(r["bottleneck"] in ("generate", "reward", "logprob", "train", "weight_sync") for r in steps)
     assert {"time/generate_s", "time/train_s", "time/weight_sync_s", "reward/mean"} <= set(steps[0])
