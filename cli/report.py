@@ -11,7 +11,7 @@ import statistics
 import sys
 from pathlib import Path
 
-PHASES = ("generate", "reward", "logprob", "train", "publish", "other")
+PHASES = ("generate", "reward", "logprob", "train", "weight_sync", "other")
 
 
 def read_metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:
