@@ -25,6 +25,7 @@ import json
 import logging
 import struct
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -218,6 +219,7 @@ class WeightLoader:
         data = reply[1].buffer
         if self._staging is None:
             self._staging = ShmSegment(Path(self.cfg.shm_dir) / f"dgrpo-r-{owner_tag()}-{id(self) % 10**6}")
+            weakref.finalize(self, self._staging.close)  # removed at exit even if stop() is never reached
         buf = self._staging.ensure(len(data))
         buf[: len(data)] = data
         return str(self._staging.path), meta["seq"], None

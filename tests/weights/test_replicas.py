@@ -3,6 +3,7 @@ publish, follow later ones, fence on versions over gRPC, agree with transformers
 
 from __future__ import annotations
 
+import signal
 import time
 
 import grpc
@@ -109,9 +110,11 @@ def test_min_weight_version_not_reached_answers_deadline_exceeded(stack):
 def test_no_shared_memory_left_after_shutdown(stack, segments_of):
     pub, _, replicas, _ = stack
     assert len(segments_of(replicas[1].proc.pid)) == 1  # the tcp replica's staging copy
+    for r in replicas:  # SIGTERM both first: their shutdowns overlap
+        r.proc.send_signal(signal.SIGTERM)
     for r in replicas:
         r.stop(timeout=60)
-        assert segments_of(r.proc.pid) == []
+        assert segments_of(r.proc.pid) == [], r.logs()[-3000:]
     paths = pub.segment_paths
     assert all(p.exists() for p in paths)
     pub.close()
