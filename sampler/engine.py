@@ -250,7 +250,6 @@ class SamplerEngine:
         )
 
     async def _sample_group(self, prompt_id: str, ids: list[int], params) -> GroupResult:
-        version = self._weight_version
         final = None
         try:
             async for out in self.llm.generate({"prompt_token_ids": ids}, params, f"{prompt_id}-{uuid.uuid4().hex[:12]}"):
@@ -261,6 +260,9 @@ class SamplerEngine:
             raise
         if final is None:
             raise EngineUnavailable(f"prompt {prompt_id!r}: the engine returned no output (shutting down?)")
+        # Read at completion: updates pause generation in "wait" mode (in-flight requests finish on the old
+        # weights) and record the new version before resuming, so this is the version that produced every token.
+        version = self._weight_version
         completions = []
         for c in sorted(final.outputs, key=lambda c: c.index):
             token_ids = list(c.token_ids)
