@@ -71,7 +71,7 @@ def test_packing_removes_padding_and_keeps_the_update(tiny_model):
     assert any(not torch.equal(before[k], results[0][0][k]) for k in before)
     for p, m in results[1:]:
         for k in p:
-            torch.testing.assert_close(p[k], results[0][0][k], atol=2e-6, rtol=1e-5)
+            torch.testing.assert_close(p[k], results[0][0][k], atol=1e-5, rtol=1e-4)  # 1% of lr: Adam amplifies float noise of ~0 grads
         assert m["actor/loss"] == pytest.approx(results[0][1]["actor/loss"], abs=1e-6)
     assert results[0][1]["actor/padding_frac"] == 0.0  # one sequence per row: no padding
     assert results[1][1]["actor/padding_frac"] > 0.1
@@ -123,7 +123,7 @@ def test_bf16_autocast_and_gradient_checkpointing(tiny_model):
     ckpt = make_actor(tiny_model, actor={"gradient_checkpointing": True})
     ckpt.update(seqs, group_size=4)
     for (n, a), b in zip(params(plain).items(), params(ckpt).values()):
-        torch.testing.assert_close(a, b, atol=2e-6, rtol=1e-5, msg=n)
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=n)
     m = make_actor(tiny_model, actor={"dtype": "bfloat16"}).update(seqs, group_size=4)
     assert math.isfinite(m["actor/loss"]) and math.isfinite(m["actor/grad_norm"])
 

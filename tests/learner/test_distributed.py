@@ -57,7 +57,8 @@ def test_two_gloo_ranks_equal_one_process(two_rank_run, tiny_model, scenario):
     assert set(after) == set(dist["weights"])
     assert any(not torch.equal(before[n], after[n]) for n in after)
     for name, tensor in after.items():
-        torch.testing.assert_close(dist["weights"][name], tensor, atol=1e-5, rtol=1e-4, msg=name)
+        # 3% of lr: Adam turns float noise in ~0 gradients (reduction order differs) into visible steps.
+        torch.testing.assert_close(dist["weights"][name], tensor, atol=3e-5, rtol=1e-4, msg=name)
     for key in ("actor/loss", "actor/kl", "actor/ratio", "actor/clip_frac_high", "actor/grad_norm"):
         assert dist["metrics"][key] == pytest.approx(metrics[key], abs=1e-5, rel=1e-4), key
 
