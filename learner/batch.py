@@ -41,6 +41,8 @@ class Sequence:
     def __post_init__(self) -> None:
         if not self.completion_ids:
             raise ValueError("a Sequence needs at least one completion token")
+        if not self.prompt_ids:  # the first completion token's logprob comes from the last prompt position
+            raise ValueError("a Sequence needs at least one prompt token")
         if self.sampler_logprobs is not None and len(self.sampler_logprobs) != len(self.completion_ids):
             raise ValueError(
                 f"sampler_logprobs has {len(self.sampler_logprobs)} values for {len(self.completion_ids)} tokens"
