@@ -158,7 +158,9 @@ class Progress:
 
     def __init__(self, metrics_path: Path, total: int | None):
         self.path, self.offset = metrics_path, 0
-        self.bar = tqdm(total=total, desc="training", unit="step", dynamic_ncols=True, file=sys.stdout)
+        # Off when stdout is not a terminal (CI, log files): the learner logs one line per step anyway.
+        self.bar = tqdm(total=total, desc="training", unit="step", dynamic_ncols=True, file=sys.stdout,
+                        disable=not sys.stdout.isatty())
 
     def update(self) -> None:
         import json
