@@ -89,8 +89,10 @@ def plot(train: list[dict], val: list[dict], out: Path) -> Path:
         ax.plot([r["step"] for r in val], [r["val/reward_mean"] for r in val], "s--", label="greedy validation")
     ax.set_title("reward")
     ax.legend(fontsize=8)
-    axes[0][1].plot(steps, [r.get("actor/kl", 0.0) for r in train], ".-")
-    axes[0][1].set_title("KL to reference (k3, mean per token)")
+    kl = [r.get("actor/kl", 0.0) for r in train]
+    axes[0][1].plot(steps, kl, ".-")
+    # beta = 0 skips the reference model entirely: say so rather than draw a flat line that reads as "no drift".
+    axes[0][1].set_title("KL to reference (k3, mean per token)" if any(kl) else "KL to reference: not computed (beta = 0)")
     axes[1][0].plot(steps, [r.get("response/length_mean", float("nan")) for r in train], ".-")
     axes[1][0].set_title("response length (tokens, mean)")
     bottom = [0.0] * len(train)
