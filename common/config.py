@@ -55,7 +55,7 @@ def apply_override(data: dict, path: list[str], value: Any) -> None:
     node[path[-1]] = value
 
 
-def _format_errors(err: ValidationError, data: dict) -> str:
+def _format_errors(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"]) or "(root)"
@@ -88,7 +88,7 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
     try:
         return cls.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(_format_errors(e, data)) from None
+        raise ConfigError(_format_errors(e)) from None
 
 
 def _is_model(tp: Any) -> bool:

@@ -98,10 +98,3 @@ def visible_devices(device: DeviceKind, environ: dict[str, str] | None = None) -
     if name is None or not env.get(name, "").strip():
         return None
     return [int(x) for x in env[name].split(",") if x.strip()]
-
-
-def autocast_dtype(device: DeviceKind):
-    """bf16 autocast where the device computes it natively (NPU, CUDA, and CPU for correctness)."""
-    import torch
-
-    return torch.bfloat16

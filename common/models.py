@@ -11,6 +11,7 @@ from __future__ import annotations
 import fcntl
 import importlib.util
 import os
+import shutil
 from pathlib import Path
 
 BUNDLED_NAME = "SmolLM2-135M-Instruct"
@@ -71,7 +72,9 @@ def prepare_bundled_model(target: Path | None = None) -> Path:
         tokenizer.save_pretrained(tmp)
         if model.generation_config is not None:
             model.generation_config.save_pretrained(tmp)
-        os.replace(tmp, target) if not target.exists() else None
+        if target.exists():  # an incomplete folder from an interrupted conversion
+            shutil.rmtree(target)
+        os.replace(tmp, target)
     return target
 
 

@@ -78,9 +78,8 @@ class GroupResult:
 
 @dataclass
 class EngineLoad:
-    """Scheduler counts, refreshed by vLLM's stat-logger hook every engine step."""
+    """Scheduler queue depth, refreshed by vLLM's stat-logger hook every engine step."""
 
-    running: int = 0
     waiting: int = 0
 
 
@@ -140,7 +139,6 @@ class SamplerEngine:
 
             def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
                 if scheduler_stats is not None:
-                    load.running = scheduler_stats.num_running_reqs
                     load.waiting = scheduler_stats.num_waiting_reqs
 
             def log_engine_initialized(self):
@@ -239,7 +237,7 @@ class SamplerEngine:
             n=s.n,
             temperature=s.temperature,
             top_p=s.top_p,
-            top_k=s.top_k if s.top_k > 0 else 0,
+            top_k=s.top_k,  # 0 = off, as in vLLM
             min_p=s.min_p,
             max_tokens=s.max_tokens,
             stop=list(s.stop) or None,
