@@ -295,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="extra dgrpo override (repeatable), e.g. learner.actor.dtype=float32")
     a = p.parse_args(argv)
     settings = Settings(**{k: getattr(a, k) for k in asdict(defaults)})
+    a.out = a.out.resolve()  # the TRL worker runs with the output folder as its working directory
     a.out.mkdir(parents=True, exist_ok=True)
     model, train = prepare(settings, a.out)
 

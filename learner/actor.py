@@ -120,13 +120,19 @@ class Actor:
         self, model: torch.nn.Module, mb: MicroBatch, entropy: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logprob of each completion token [B, T] (temperature-scaled), and its entropy [B, T] if asked."""
+        # Only the columns holding positions that predict a completion token go through the LM head (transformers' `logits_to_keep`): prompts are
+        # most of a GRPO sequence, and the head is a [hidden, vocab] matmul plus a vocab-wide softmax per position.
+        pred = mb.logit_index  # [B, T]
+        length = mb.input_ids.shape[1]
+        keep, column = torch.unique(pred % length, sorted=True, return_inverse=True)  # [K], [B, T]
         with self._autocast():
             logits = model(
-                input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids, use_cache=False
-            ).logits  # [R, L, V]
+                input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
+                use_cache=False, logits_to_keep=keep,
+            ).logits  # [R, K, V]
         vocab = logits.shape[-1]
-        # The logits predicting the token at flat position p sit at p - 1 (prompts are never empty).
-        rows = logits.reshape(-1, vocab)[mb.token_index - 1].float() / self.temperature  # [B, T, V]
+        kept_index = (pred // length) * keep.numel() + column  # [B, T] flat index into [R*K]
+        rows = logits.reshape(-1, vocab)[kept_index].float() / self.temperature  # [B, T, V]
         targets = mb.input_ids.reshape(-1)[mb.token_index]  # [B, T]
         log_z = torch.logsumexp(rows, dim=-1)  # [B, T]
         logp = rows.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - log_z  # [B, T]
@@ -141,7 +147,7 @@ class Actor:
         budget = self.cfg.logprob_max_tokens_per_micro_batch or 2 * self.cfg.max_tokens_per_micro_batch
         return micro_batches(
             seqs, packed=self.cfg.use_dynamic_bsz, micro_batch_size=2 * self.cfg.micro_batch_size_per_device,
-            max_tokens=budget, pad_id=self.pad_id,
+            max_tokens=budget, pad_id=self.pad_id, share_prompts=self.cfg.share_prompts,
         )
 
     @torch.no_grad()
@@ -223,7 +229,8 @@ class Actor:
             old = dict(zip(local, self._local_logprobs(self.policy, [seqs[i] for i in local])))
         t1 = time.perf_counter()
 
-        sums = torch.zeros(len(_TOKEN_STATS) + 5, dtype=torch.float64)  # token stats, tokens, loss, pg, real, padded
+        # token stats, tokens, loss, pg, real, padded, sequence tokens
+        sums = torch.zeros(len(_TOKEN_STATS) + 6, dtype=torch.float64)
         grad_norms = []
         for _ in range(cfg.ppo_epochs):
             for idx, share in zip(minis, shares):
@@ -248,6 +255,8 @@ class Actor:
             "actor/updates": float(updates),
             "actor/tokens": sums[n + 3].item(),
             "actor/padding_frac": 1.0 - sums[n + 3].item() / max(sums[n + 4].item(), 1.0),
+            # Tokens the forwards computed per token of the sequences: < 1 when prompts are shared.
+            "actor/computed_tokens_ratio": sums[n + 4].item() / max(sums[n + 5].item(), 1.0),
             "timing/logprob_s": t1 - t0,
             "timing/update_s": t2 - t1,
         })
@@ -267,7 +276,7 @@ class Actor:
         local = [seqs[i] for i in share]
         mbs = micro_batches(
             local, packed=cfg.use_dynamic_bsz, micro_batch_size=cfg.micro_batch_size_per_device,
-            max_tokens=cfg.max_tokens_per_micro_batch, pad_id=self.pad_id,
+            max_tokens=cfg.max_tokens_per_micro_batch, pad_id=self.pad_id, share_prompts=cfg.share_prompts,
         )
         # FSDP runs collectives in every forward/backward: all ranks must make the same number of calls.
         # A rank with fewer packed micro-batches repeats its last one with weight 0.
@@ -284,10 +293,10 @@ class Actor:
             if algo.old_logprobs == "sampler":
                 old_logp = mb.sampler_logp
             elif old:
-                old_logp = self._rows(old, _reindex(mb, local_idx))
+                old_logp = self._rows(old, mb.with_indices(local_idx))
             else:
                 old_logp = logp.detach()  # one update per step: the policy before it is the policy now
-            ref_logp = self._rows(ref, _reindex(mb, local_idx)) if ref else None
+            ref_logp = self._rows(ref, mb.with_indices(local_idx)) if ref else None
             is_w = grpo.truncated_is_weights(old_logp, mb.sampler_logp, algo.tis_cap) if algo.tis_cap else None
             loss, stats = grpo.policy_loss(
                 logp, old_logp, mb.advantages, mask, ref_logp=ref_logp, beta=algo.beta, clip_low=algo.clip_low,
@@ -312,6 +321,7 @@ class Actor:
                 sums[n + 2] += stats["pg_loss"].double().cpu() * weight / ctx.world_size
                 sums[n + 3] += mb.real_tokens
                 sums[n + 4] += mb.padded_tokens
+                sums[n + 5] += mb.sequence_tokens
         max_norm = self.optim_cfg.grad_clip if self.optim_cfg.grad_clip is not None else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), max_norm)
         if isinstance(norm, DTensor):
@@ -337,10 +347,3 @@ class Actor:
             if self.ctx.is_main:
                 yield name, t.to(device="cpu", dtype=dtype)
 
-
-def _reindex(mb: MicroBatch, positions: list[int]) -> MicroBatch:
-    """The same micro-batch with `indices` naming positions in the step's list (for the logprob lookups)."""
-    return MicroBatch(
-        mb.input_ids, mb.position_ids, mb.attention_mask, mb.token_index, mb.mask, mb.advantages, mb.sampler_logp,
-        mb.truncated, positions, mb.padded_tokens, mb.real_tokens,
-    )

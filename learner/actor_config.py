@@ -103,6 +103,10 @@ class ActorConfig(StrictConfig):
     use_dynamic_bsz: bool = False
     """Pack micro-batches by a token budget (max_tokens_per_micro_batch) instead of a sequence count, with
     the padding removed: sequences are concatenated into one row and attend only within themselves."""
+    share_prompts: bool = True
+    """With use_dynamic_bsz: a group's completions follow one copy of their prompt in the packed row, each
+    attending to the prompt and itself, so the prompt is computed once per group instead of once per completion
+    (same logits and gradients). Needs sdpa/eager attention (the actor uses sdpa)."""
     max_tokens_per_micro_batch: int = Field(default=4096, ge=16)
     """Token budget of one packed micro-batch per device (prompt + completion tokens), with use_dynamic_bsz.
     A single longer sequence still gets a micro-batch of its own."""

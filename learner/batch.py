@@ -10,14 +10,19 @@ each) and micro-batches (one forward/backward each), laid out either
   (sdpa/eager: `masking_utils.find_packed_sequence_indices`; flash-attention: varlen kernels), so each
   sequence attends only to itself and the logits equal the padded ones.
 
-Either way `MicroBatch.token_index` maps completion token t of sequence b to its position in the flattened
-[rows * length] layout, so the loss code sees the same [batch, tokens] tensors in both layouts.
+- packed with shared prompts: the completions of one prompt (a GRPO group) follow a single copy of the prompt,
+  each attending to the prompt and to itself (a 4-D boolean mask, the layout of prefix-sharing trainers). With
+  groups of n, a prompt is computed once instead of n times; logits and gradients equal the other layouts'.
+
+Every layout gives `MicroBatch.token_index` (where completion token t of sequence b sits in the flattened
+[rows * length] layout) and `logit_index` (the position whose logits predict it), so the loss code sees the same
+[batch, tokens] tensors in all of them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -58,15 +63,17 @@ class MicroBatch:
 
     input_ids: torch.Tensor  # [R, L] R = B rows (padded) or 1 row (packed)
     position_ids: torch.Tensor  # [R, L]
-    attention_mask: torch.Tensor | None  # [R, L] padded only; packed relies on position_ids
+    attention_mask: torch.Tensor | None  # [R, L] padded; [1, 1, L, L] bool shared prompts; None packed
     token_index: torch.Tensor  # [B, T] flat index into [R*L] of completion token t of sequence b (0 where pad)
+    logit_index: torch.Tensor  # [B, T] flat index of the position predicting it (the first entry where pad)
     mask: torch.Tensor  # [B, T] float, 1 on real completion tokens
     advantages: torch.Tensor  # [B]
     sampler_logp: torch.Tensor | None  # [B, T] or None when any sequence lacks sampler logprobs
     truncated: torch.Tensor  # [B] bool
     indices: list[int]  # position of each sequence in the list it was cut from
     padded_tokens: int  # R*L: tokens the forward computes
-    real_tokens: int  # sum of sequence lengths
+    real_tokens: int  # of those, tokens that are not padding
+    sequence_tokens: int  # sum of sequence lengths (above real_tokens when prompts are shared)
 
     @property
     def num_sequences(self) -> int:
@@ -76,9 +83,13 @@ class MicroBatch:
         move = lambda t: None if t is None else t.to(device, non_blocking=True)
         return MicroBatch(
             move(self.input_ids), move(self.position_ids), move(self.attention_mask), move(self.token_index),
-            move(self.mask), move(self.advantages), move(self.sampler_logp), move(self.truncated),
-            self.indices, self.padded_tokens, self.real_tokens,
+            move(self.logit_index), move(self.mask), move(self.advantages), move(self.sampler_logp),
+            move(self.truncated), self.indices, self.padded_tokens, self.real_tokens, self.sequence_tokens,
         )
+
+    def with_indices(self, indices: list[int]) -> MicroBatch:
+        """The same micro-batch with `indices` naming positions in another list."""
+        return replace(self, indices=list(indices))
 
 
 def collate(seqs: Seq[Sequence], indices: Seq[int], *, packed: bool, pad_id: int = 0) -> MicroBatch:
@@ -116,18 +127,77 @@ def collate(seqs: Seq[Sequence], indices: Seq[int], *, packed: bool, pad_id: int
         if sampler_logp is not None:
             sampler_logp[i, :c] = torch.tensor(s.sampler_logprobs)
         offset += n
+    return _micro_batch(seqs, indices, input_ids, position_ids, attention_mask, token_index, token_index - 1, mask,
+                        sampler_logp, real_tokens=sum(len(s) for s in seqs))
+
+
+def collate_shared_prompts(seqs: Seq[Sequence], indices: Seq[int]) -> MicroBatch:
+    """One packed row in which consecutive sequences with the same prompt share one copy of it.
+
+    Row: [P1, C1a, C1b, ..., P2, C2a, ...]. Completion Cxi keeps the positions it would have after its prompt
+    (|Px|, |Px|+1, ...) and attends to Px and causally to itself; its first token is predicted by Px's last
+    position, later ones by its own previous token. Needs sdpa or eager attention (a 4-D mask).
+    """
+    if not seqs:
+        raise ValueError("cannot collate an empty micro-batch")
+    b = len(seqs)
+    t_max = max(len(s.completion_ids) for s in seqs)
+    token_index = torch.zeros(b, t_max, dtype=torch.long)  # [B, T]
+    logit_index = torch.zeros(b, t_max, dtype=torch.long)  # [B, T]
+    mask = torch.zeros(b, t_max)  # [B, T]
+    have_sampler = all(s.sampler_logprobs is not None for s in seqs)
+    sampler_logp = torch.zeros(b, t_max) if have_sampler else None  # [B, T]
+    ids: list[int] = []
+    positions: list[int] = []
+    block: list[int] = []  # per token: its block (a prompt copy or one completion)
+    visible: list[int] = []  # per token: the other block it attends to (its prompt; itself for prompt tokens)
+    prompt_block, prompt_end, last_prompt = -1, 0, None
+    for i, s in enumerate(seqs):
+        p, c = len(s.prompt_ids), len(s.completion_ids)
+        if s.prompt_ids != last_prompt:  # a new prompt copy
+            prompt_block, last_prompt = len(block), s.prompt_ids
+            ids += s.prompt_ids
+            positions += range(p)
+            block += [prompt_block] * p
+            visible += [prompt_block] * p
+            prompt_end = len(ids)
+        start, own = len(ids), len(block)
+        ids += s.completion_ids
+        positions += range(p, p + c)
+        block += [own] * c
+        visible += [prompt_block] * c
+        token_index[i, :c] = start + torch.arange(c)
+        logit_index[i, 0] = prompt_end - 1
+        logit_index[i, 1:c] = start + torch.arange(c - 1)
+        mask[i, :c] = 1.0
+        if sampler_logp is not None:
+            sampler_logp[i, :c] = torch.tensor(s.sampler_logprobs)
+    blk, vis = torch.tensor(block), torch.tensor(visible)  # [N]
+    n = len(ids)
+    causal = torch.ones(n, n, dtype=torch.bool).tril()  # [N(query), N(key)]
+    attend = causal & ((blk[None, :] == blk[:, None]) | (blk[None, :] == vis[:, None]))
+    return _micro_batch(seqs, indices, torch.tensor([ids]), torch.tensor([positions]), attend[None, None],
+                        token_index, logit_index, mask, sampler_logp, real_tokens=n)
+
+
+def _micro_batch(seqs, indices, input_ids, position_ids, attention_mask, token_index, logit_index, mask,
+                 sampler_logp, *, real_tokens: int) -> MicroBatch:
+    # Padding entries of logit_index point at their row's first prediction: no new position for the LM head.
+    logit_index = torch.where(mask.bool(), logit_index, logit_index[:, :1])
     return MicroBatch(
         input_ids=input_ids,
         position_ids=position_ids,
         attention_mask=attention_mask,
         token_index=token_index,
+        logit_index=logit_index,
         mask=mask,
         advantages=torch.tensor([s.advantage for s in seqs], dtype=torch.float32),
         sampler_logp=sampler_logp,
         truncated=torch.tensor([s.truncated for s in seqs], dtype=torch.bool),
         indices=list(indices),
         padded_tokens=input_ids.numel(),
-        real_tokens=sum(len(s) for s in seqs),
+        real_tokens=real_tokens,
+        sequence_tokens=sum(len(s) for s in seqs),
     )
 
 
@@ -157,10 +227,29 @@ def split_by_tokens(lengths: Seq[int], budget: int) -> list[list[int]]:
     return [sorted(b) for b in bins]
 
 
+def split_groups_by_tokens(seqs: Seq[Sequence], budget: int) -> list[list[int]]:
+    """Index lists for shared-prompt packing: runs of consecutive sequences with one prompt stay together (cut
+    into pieces when a run with its one prompt copy exceeds `budget`), then first-fit decreasing over the runs."""
+    units: list[list[int]] = []
+    cost: list[int] = []
+    for i, s in enumerate(seqs):
+        extra = len(s.completion_ids)
+        if units and seqs[units[-1][0]].prompt_ids == s.prompt_ids and cost[-1] + extra <= budget:
+            units[-1].append(i)
+            cost[-1] += extra
+        else:
+            units.append([i])
+            cost.append(len(s))
+    return [sorted(i for u in b for i in units[u]) for b in split_by_tokens(cost, budget)]
+
+
 def micro_batches(
-    seqs: Seq[Sequence], *, packed: bool, micro_batch_size: int, max_tokens: int, pad_id: int = 0
+    seqs: Seq[Sequence], *, packed: bool, micro_batch_size: int, max_tokens: int, pad_id: int = 0,
+    share_prompts: bool = False,
 ) -> list[MicroBatch]:
-    """Cut `seqs` into micro-batches: packed by token budget, or padded by sequence count."""
+    """Cut `seqs` into micro-batches: packed by token budget (sharing prompts if asked), or padded by count."""
+    if packed and share_prompts:
+        return [collate_shared_prompts([seqs[i] for i in g], g) for g in split_groups_by_tokens(seqs, max_tokens)]
     lengths = [len(s) for s in seqs]
     groups = split_by_tokens(lengths, max_tokens) if packed else split_by_count(lengths, micro_batch_size)
     return [collate([seqs[i] for i in g], g, packed=packed, pad_id=pad_id) for g in groups]
