@@ -33,7 +33,7 @@ HERE = Path(__file__).resolve().parent
 TRL_VENV = HERE / ".venv-trl"
 TRL_REQUIREMENTS = HERE / "requirements-trl.txt"
 ANCHOR_TRL_S_PER_STEP = 60.0  # design.md: TRL 1.16 on this machine, 8 prompts x 4 completions, 64 tokens
-MICRO_BATCH = 8  # sequences per forward/backward on both sides
+MICRO_BATCH = 8  # TRL: sequences per forward/backward (dgrpo packs a token budget of about the same size)
 
 
 @dataclass
@@ -156,7 +156,7 @@ def _trl_worker(model: str, train_file: str, out: str, settings: Settings) -> No
         weight_decay=0.01,  # dgrpo's default AdamW weight decay
         max_grad_norm=1.0,
         # One optimizer update per step over all completions of the step's prompts (dgrpo: ppo_mini_batch_size =
-        # train_batch_size), in micro-batches of MICRO_BATCH sequences like dgrpo's micro_batch_size_per_device.
+        # train_batch_size), in micro-batches of MICRO_BATCH sequences.
         # (32 sequences at once peaked at 7.4 GB RSS and was OOM-killed on the shared 24 GiB machine.)
         per_device_train_batch_size=MICRO_BATCH,
         gradient_accumulation_steps=completions // MICRO_BATCH,
@@ -197,11 +197,15 @@ def dgrpo_overrides(settings: Settings, train_file: Path, run_dir: Path) -> list
     p, g = settings.prompts_per_step, settings.group_size
     return [
         "sampler.enforce_eager=true", "sampler.max_model_len=512", "sampler.kv_cache_space_gib=1",
+        "sampler.cpu_cores=all",
         f"learner.data.train_files=[{train_file}]", f"learner.data.train_batch_size={p}",
         f"learner.data.seed={settings.seed}", "learner.data.max_prompt_length=128",
         f"learner.rollout.n={g}", f"learner.rollout.max_response_length={settings.max_new_tokens}",
         f"learner.rollout.temperature={settings.temperature}",
-        f"learner.actor.ppo_mini_batch_size={p}", f"learner.actor.micro_batch_size_per_device={MICRO_BATCH}",
+        # One optimizer update per step, like TRL's; the forwards run dgrpo's packed layout (each group's prompt
+        # once) with a token budget near what TRL's padded micro-batches of MICRO_BATCH sequences compute.
+        f"learner.actor.ppo_mini_batch_size={p}", "learner.actor.use_dynamic_bsz=true",
+        "learner.actor.share_prompts=true", "learner.actor.max_tokens_per_micro_batch=1024",
         f"learner.optim.lr={settings.lr}", "learner.optim.schedule=constant", "learner.optim.warmup_steps=0",
         "learner.algorithm.beta=0.0", "learner.algorithm.adv_scale=group", "learner.algorithm.loss_agg=token-mean",
         f"learner.trainer.total_training_steps={settings.steps}", f"learner.trainer.log_dir={run_dir}",

@@ -83,6 +83,16 @@ def sampler_env(device: DeviceKind, environ: dict[str, str] | None = None) -> di
     return out
 
 
+def cpu_thread_binding(cores: str) -> dict[str, str]:
+    """vLLM-CPU's OpenMP binding for a sampler.cpu_cores setting: auto (vLLM's default: one core kept for the
+    scheduler), all (every core this process may use, none reserved) or an explicit list such as 0-3."""
+    if cores == "auto":
+        return {}
+    if cores == "all":
+        cores = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
+    return {"VLLM_CPU_OMP_THREADS_BIND": cores, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+
+
 def learner_env(device: DeviceKind, environ: dict[str, str] | None = None) -> dict[str, str]:
     """Environment defaults for the learner: on Ascend, expandable segments against fragmentation."""
     env = dict(os.environ if environ is None else environ)

@@ -119,9 +119,12 @@ class Actor:
     def _forward(
         self, model: torch.nn.Module, mb: MicroBatch, entropy: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logprob of each completion token [B, T] (temperature-scaled), and its entropy [B, T] if asked."""
-        # Only the columns holding positions that predict a completion token go through the LM head (transformers' `logits_to_keep`): prompts are
-        # most of a GRPO sequence, and the head is a [hidden, vocab] matmul plus a vocab-wide softmax per position.
+        """Logprob of each completion token [B, T] (temperature-scaled; 0 on padding), and its entropy if asked.
+
+        Only positions that predict a completion token go through the LM head (transformers' `logits_to_keep`),
+        and the vocab-wide work (fp32 cast, log-softmax, its backward) runs once per real completion token, as one
+        fused cross-entropy: on a small model the [tokens, vocab] tensors cost as much as the decoder layers.
+        """
         pred = mb.logit_index  # [B, T]
         length = mb.input_ids.shape[1]
         keep, column = torch.unique(pred % length, sorted=True, return_inverse=True)  # [K], [B, T]
@@ -131,15 +134,19 @@ class Actor:
                 use_cache=False, logits_to_keep=keep,
             ).logits  # [R, K, V]
         vocab = logits.shape[-1]
-        kept_index = (pred // length) * keep.numel() + column  # [B, T] flat index into [R*K]
-        rows = logits.reshape(-1, vocab)[kept_index].float() / self.temperature  # [B, T, V]
-        targets = mb.input_ids.reshape(-1)[mb.token_index]  # [B, T]
-        log_z = torch.logsumexp(rows, dim=-1)  # [B, T]
-        logp = rows.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - log_z  # [B, T]
+        valid = mb.mask.bool()  # [B, T]
+        kept_index = ((pred // length) * keep.numel() + column)[valid]  # [N] flat index into [R*K]
+        rows = logits.reshape(-1, vocab)[kept_index].float()  # [N, V]
+        if self.temperature != 1.0:
+            rows = rows / self.temperature
+        targets = mb.input_ids.reshape(-1)[mb.token_index[valid]]  # [N]
+        token_logp = -torch.nn.functional.cross_entropy(rows, targets, reduction="none")  # [N]
+        logp = torch.zeros(valid.shape, dtype=rows.dtype, device=rows.device).masked_scatter(valid, token_logp)
         ent = None
         if entropy:
-            with torch.no_grad():
-                ent = log_z - (torch.softmax(rows, dim=-1) * rows).sum(-1)  # [B, T]  H = log Z - E_p[logit]
+            with torch.no_grad():  # H = log Z - E_p[logit]
+                token_ent = torch.logsumexp(rows, dim=-1) - (torch.softmax(rows, dim=-1) * rows).sum(-1)  # [N]
+                ent = torch.zeros_like(logp).masked_scatter(valid, token_ent)  # [B, T]
         return logp, ent
 
     def _logprob_batches(self, seqs: list[Sequence]) -> list[MicroBatch]:

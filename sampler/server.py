@@ -102,5 +102,7 @@ def main(cfg) -> int:
     env = devices.sampler_env(device)
     if device == "cpu" and cfg.sampler.kv_cache_space_gib is not None:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.sampler.kv_cache_space_gib)
+    if device == "cpu":
+        env.update(devices.cpu_thread_binding(cfg.sampler.cpu_cores))
     os.environ.update(env)  # before vLLM is imported
     return asyncio.run(serve(cfg))

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import types
 
 import pytest
 import torch
+from pydantic import ValidationError
 
 from dgrpo.common import devices
+from dgrpo.sampler.config import SamplerConfig
 
 
 def test_cpu_machine_detects_cpu_and_gloo():
@@ -66,3 +69,12 @@ def test_visible_devices_are_honoured():
     assert devices.visible_devices("cuda", {"CUDA_VISIBLE_DEVICES": "1"}) == [1]
     assert devices.visible_devices("npu", {}) is None
     assert devices.visible_devices("cpu", {"CUDA_VISIBLE_DEVICES": "1"}) is None
+
+
+def test_sampler_cpu_core_binding():
+    assert devices.cpu_thread_binding("auto") == {}  # vLLM's own choice
+    every = ",".join(map(str, sorted(os.sched_getaffinity(0))))
+    assert devices.cpu_thread_binding("all") == {"VLLM_CPU_OMP_THREADS_BIND": every, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    assert devices.cpu_thread_binding("0-3")["VLLM_CPU_OMP_THREADS_BIND"] == "0-3"
+    with pytest.raises(ValidationError, match="cpu_cores"):
+        SamplerConfig(cpu_cores="most")
