@@ -57,6 +57,8 @@ class SideResult:
     name: str
     step_s: list[float] = field(default_factory=list)
     reward_mean: list[float] = field(default_factory=list)
+    length_mean: list[float] = field(default_factory=list)
+    """Mean completion length (tokens) per step: longer answers cost both sides more time."""
     completions_per_step: int = 0
     notes: str = ""
     cpu_s: list[float] = field(default_factory=list)
@@ -68,7 +70,8 @@ class SideResult:
         med = statistics.median(self.step_s)
         return {"s_per_step_median": med, "completions_per_s": self.completions_per_step / med,
                 "cpu_s_per_step_median": statistics.median(self.cpu_s) if self.cpu_s else float("nan"),
-                "reward_first": self.reward_mean[0], "reward_last": self.reward_mean[-1]}
+                "reward_first": self.reward_mean[0], "reward_last": self.reward_mean[-1],
+                "length_mean": statistics.fmean(self.length_mean) if self.length_mean else float("nan")}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -102,6 +105,7 @@ def run_trl(settings: Settings, model: Path, train_file: Path, out_dir: Path) ->
     env.pop("PYTHONPATH", None)
     subprocess.run(cmd, check=True, env=env, cwd=out_dir)
     data = json.loads(result_file.read_text())
+    data.pop("settings", None)
     return SideResult(**data)
 
 
@@ -130,7 +134,7 @@ def _trl_worker(model: str, train_file: str, out: str, settings: Settings) -> No
 
     class StepClock(TrainerCallback):
         def __init__(self):
-            self.t0, self.c0, self.step_s, self.cpu_s, self.rewards = 0.0, 0.0, [], [], []
+            self.t0, self.c0, self.step_s, self.cpu_s, self.rewards, self.lengths = 0.0, 0.0, [], [], [], []
 
         def on_step_begin(self, args, state, control, **kw):
             self.t0, self.c0 = time.perf_counter(), time.process_time()
@@ -142,6 +146,7 @@ def _trl_worker(model: str, train_file: str, out: str, settings: Settings) -> No
         def on_log(self, args, state, control, logs=None, **kw):
             if logs and "reward" in logs:
                 self.rewards.append(float(logs["reward"]))
+                self.lengths.append(float(logs.get("completions/mean_length", float("nan"))))
                 print(f"[trl] step {state.global_step}: {self.step_s[-1]:.1f} s ({self.cpu_s[-1]:.1f} cpu-s), "
                       f"reward {logs['reward']:.3f}, "
                       f"length {logs.get('completions/mean_length', float('nan')):.1f}", flush=True)
@@ -183,8 +188,10 @@ def _trl_worker(model: str, train_file: str, out: str, settings: Settings) -> No
     trainer.train()
     Path(out).write_text(json.dumps({
         "name": f"TRL {trl.__version__} GRPOTrainer (transformers generate, fp32, CPU)",
-        "step_s": clock.step_s, "cpu_s": clock.cpu_s, "reward_mean": clock.rewards, "completions_per_step": completions,
+        "step_s": clock.step_s, "cpu_s": clock.cpu_s, "reward_mean": clock.rewards, "length_mean": clock.lengths,
+        "completions_per_step": completions,
         "notes": f"torch {torch.__version__}, threads {torch.get_num_threads()}",
+        "settings": asdict(settings),
     }))
 
 
@@ -234,6 +241,7 @@ def run_dgrpo(settings: Settings, model: Path, train_file: Path, out_dir: Path,
     return SideResult(
         name="dgrpo up (vLLM-CPU sampler + rewarder + learner)" + (f" {' '.join(extra)}" if extra else ""),
         step_s=[m["time/step_s"] for m in steps], reward_mean=[m["reward/mean"] for m in steps],
+        length_mean=[m["response/length_mean"] for m in steps],
         completions_per_step=settings.prompts_per_step * settings.group_size,
         notes="median per phase: " + ", ".join(
             f"{k.split('/')[1]} {statistics.median(m[k] for m in steps):.1f} s"
@@ -267,6 +275,7 @@ def report(settings: Settings, results: list[SideResult]) -> None:
               f"{s['completions_per_s']:>14.2f} {s['reward_first']:>9.3f} → {s['reward_last']:.3f}")
         print(f"  per-step s: {' '.join(f'{x:.1f}' for x in r.step_s)}")
         print(f"  reward:     {' '.join(f'{x:.3f}' for x in r.reward_mean)}   ({r.notes})")
+        print(f"  length:     mean {s['length_mean']:.1f} tokens per completion")
     trl = next((r for r in results if r.name.startswith("TRL")), None)
     if trl is not None:
         print(f"TRL s/step vs design.md anchor ({ANCHOR_TRL_S_PER_STEP:.0f} s): "
@@ -275,6 +284,36 @@ def report(settings: Settings, results: list[SideResult]) -> None:
     if trl is not None and dg is not None:
         ratio = trl.summary()["s_per_step_median"] / dg.summary()["s_per_step_median"]
         print(f"dgrpo step throughput / TRL: {ratio:.2f}x (goal: >= 3x)")
+
+
+def plot(settings: Settings, results: list[SideResult], out: Path) -> Path:
+    """Reward per step (dots) with a 5-step rolling mean (line) and seconds per step, both sides on one figure."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_r, ax_t) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for r, color in zip(results, ("tab:orange", "tab:blue")):
+        label = r.name.split(" (")[0]
+        steps = range(1, len(r.reward_mean) + 1)
+        ax_r.plot(steps, r.reward_mean, ".", color=color, alpha=0.45)
+        k = min(5, len(r.reward_mean))
+        rolling = [statistics.fmean(r.reward_mean[max(0, i - k + 1): i + 1]) for i in range(len(r.reward_mean))]
+        ax_r.plot(steps, rolling, "-", color=color, lw=2, label=f"{label} (rolling mean of {k})")
+        ax_t.plot(range(1, len(r.step_s) + 1), r.step_s, ".-", color=color,
+                  label=f"{label}: median {statistics.median(r.step_s):.1f} s")
+    ax_r.set(xlabel="step", ylabel="mean reward (math-verify accuracy)", title="reward per step")
+    ax_t.set(xlabel="step", ylabel="seconds", title="seconds per step", ylim=(0, None))
+    for ax in (ax_r, ax_t):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"SmolLM2-135M-Instruct, {settings.task}: {settings.prompts_per_step} prompts x {settings.group_size}, "
+                 f"{settings.max_new_tokens} tokens, lr {settings.lr}, {os.cpu_count()} CPU cores")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -295,6 +334,9 @@ def main(argv: list[str] | None = None) -> int:
     for name, value in asdict(defaults).items():
         p.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
     p.add_argument("--out", type=Path, default=HERE.parent / "outputs" / "bench_vs_trl")
+    p.add_argument("--trl-result", type=Path, default=None,
+                   help="with --side dgrpo: a TRL side saved earlier (OUT/trl.json of a run with the same settings) "
+                        "to report against, so the two sides can run at different quiet moments")
     p.add_argument("--dgrpo-override", action="append", default=[], metavar="KEY=VALUE",
                    help="extra dgrpo override (repeatable), e.g. learner.actor.dtype=float32")
     a = p.parse_args(argv)
@@ -311,8 +353,15 @@ def main(argv: list[str] | None = None) -> int:
                 results.append(run(settings, model, train, a.out, *extra))
             except (RuntimeError, subprocess.CalledProcessError) as e:
                 print(f"[bench] {side}: failed ({e})", file=sys.stderr)
+    if a.trl_result is not None:
+        saved = json.loads(a.trl_result.read_text())
+        if saved.get("settings", asdict(settings)) != asdict(settings):
+            print(f"[bench] {a.trl_result} was run with other settings: {saved['settings']}", file=sys.stderr)
+            return 2
+        results.insert(0, SideResult(**{k: v for k, v in saved.items() if k != "settings"}))
     if results:
         report(settings, results)
+        print(f"plot: {plot(settings, results, a.out / 'reward_curves.png')}")
         (a.out / "results.json").write_text(json.dumps([asdict(r) for r in results], indent=1))
     return 0 if results else 1
 

@@ -64,6 +64,13 @@ def torch_device(device: DeviceKind, local_rank: int = 0):
     return torch.device("cpu") if device == "cpu" else torch.device(device, local_rank)
 
 
+def fused_adamw(device: DeviceKind) -> bool:
+    """Whether AdamW's fused kernel exists for the device: one pass over the fp32 states instead of a chain of
+    foreach ops (135M parameters on 2 CPU cores: 0.09 s vs 0.3 s per step). torch_npu ships its own fused
+    optimizers instead of this flag."""
+    return device in ("cpu", "cuda")
+
+
 def sampler_env(device: DeviceKind, environ: dict[str, str] | None = None) -> dict[str, str]:
     """Environment defaults a sampler needs before vLLM is imported (user settings win).
 

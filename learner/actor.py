@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
+from dgrpo.common.devices import fused_adamw
 from dgrpo.learner import grpo
 from dgrpo.learner.actor_config import ActorConfig, AlgorithmConfig, OptimConfig
 from dgrpo.learner.batch import MicroBatch, Sequence, micro_batches
@@ -103,7 +104,8 @@ class Actor:
                 shard_model(self.reference, cfg.fsdp_reshard_after_forward)
         self.pad_id = int(self.policy.config.pad_token_id or 0)
         self.optimizer = torch.optim.AdamW(
-            self.policy.parameters(), lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay
+            self.policy.parameters(), lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay,
+            fused=fused_adamw(self.ctx.device.type) or None,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, self.optim_cfg, self.total_steps)
