@@ -34,7 +34,7 @@ from dgrpo.learner.distributed import (
 )
 
 # Order of the per-token statistics accumulated over micro-batches (token-weighted, summed over ranks).
-_TOKEN_STATS = ("clip_frac_low", "clip_frac_high", "ratio", "kl", "entropy")
+_TOKEN_STATS = ("clip_frac_low", "clip_frac_high", "ratio", "kl", "entropy", "sampler_logp_diff")
 
 
 def lr_factor(step: int, optim: OptimConfig, total_steps: int) -> float:
@@ -255,6 +255,8 @@ class Actor:
         metrics = {f"actor/{k}": sums[j].item() / tokens for j, k in enumerate(_TOKEN_STATS)}
         if not cfg.compute_entropy:
             metrics.pop("actor/entropy")
+        if any(s.sampler_logprobs is None for s in seqs):
+            metrics.pop("actor/sampler_logp_diff")
         n = len(_TOKEN_STATS)
         metrics.update({
             "actor/loss": sums[n + 1].item() / updates,
@@ -322,6 +324,9 @@ class Actor:
                 tok = mask.sum().double().cpu()
                 if ent is not None:
                     stats["entropy"] = (ent * mask).sum() / mask.sum().clamp(min=1)
+                if mb.sampler_logp is not None:  # how far the sampler's policy is from the learner's (sync check)
+                    diff = (logp.detach() - mb.sampler_logp).abs()
+                    stats["sampler_logp_diff"] = (diff * mask).sum() / mask.sum().clamp(min=1)
                 for j, key in enumerate(_TOKEN_STATS):
                     if key in stats:
                         sums[j] += stats[key].double().cpu() * tok

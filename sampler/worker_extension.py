@@ -75,9 +75,41 @@ class DgrpoWorkerExtension:
     def _dgrpo_reload(self, named_tensors) -> None:
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+        from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
         model = self.model_runner.get_model()
+        aliases = self._dgrpo_tied_aliases(model)
+        named = list(named_tensors)
         with set_current_vllm_config(self.vllm_config):
             initialize_layerwise_reload(model)
-            model.load_weights(named_tensors)
+            model.load_weights(named)
+            # A tied output layer gets no weight of its own (checkpoints and the learner carry the embedding once,
+            # and load_weights skips lm_head.* for tied models), so the layerwise reload would put its old tensors
+            # back and the sampler would keep the first version's output layer. Load it from its source.
+            sent = dict(named)
+            for alias, source in aliases.items():
+                tensor = sent.get(alias, sent.get(source))  # its own tensor when the publisher sent one
+                if tensor is not None:
+                    param = model.get_parameter(alias)
+                    getattr(param, "weight_loader", default_weight_loader)(param, tensor)
             finalize_layerwise_reload(model, self.vllm_config.model_config)
+
+    def _dgrpo_tied_aliases(self, model) -> dict[str, str]:
+        """{alias parameter: the parameter it is tied to}, as the model was built (found once, before the first
+        reload unties them): e.g. {"lm_head.weight": "model.embed_tokens.weight"}."""
+        if not hasattr(self, "_dgrpo_aliases"):
+            first: dict[int, str] = {}
+            aliases: dict[str, str] = {}
+            for name, param in model.named_parameters(remove_duplicate=False):
+                if id(param) in first:
+                    aliases[name] = first[id(param)]
+                else:
+                    first[id(param)] = name
+            names = {name for name, _ in model.named_parameters()}
+            hf_config = self.vllm_config.model_config.hf_config
+            if not aliases and getattr(hf_config, "tie_word_embeddings", False) and "lm_head.weight" in names:
+                embed = next((n for n in names if n.endswith("embed_tokens.weight")), None)
+                if embed is not None:
+                    aliases["lm_head.weight"] = embed
+            self._dgrpo_aliases = aliases
+        return self._dgrpo_aliases

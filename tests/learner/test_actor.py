@@ -83,7 +83,8 @@ def test_packing_removes_padding_and_keeps_the_update(tiny_model):
     for j, (p, m) in enumerate(results[1:], 1):
         for k in p:
             # 3% of lr: Adam divides by sqrt(v), which turns float noise on ~0 gradients into steps of up to lr
-            torch.testing.assert_close(p[k], results[0][0][k], atol=3e-5, rtol=1e-4, msg=lambda e: f"layout {j}, {k}: {e}")
+            torch.testing.assert_close(p[k], results[0][0][k], atol=3e-5, rtol=1e-4,
+                                       msg=lambda e, j=j, k=k: f"layout {j}, {k}: {e}")
         assert m["actor/loss"] == pytest.approx(results[0][1]["actor/loss"], abs=1e-6)
     assert results[0][1]["actor/padding_frac"] == 0.0  # one sequence per row: no padding
     assert results[1][1]["actor/padding_frac"] > 0.1

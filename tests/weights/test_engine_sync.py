@@ -120,6 +120,21 @@ def test_logprobs_match_transformers_after_publish_and_restore_exactly(engine, a
     assert torch.equal(aio.run(prompt_logprobs(engine)), before)  # bit-exact restore
 
 
+def test_tied_output_layer_follows_every_version(engine, aio, synced, hf_model, original, versions):
+    """A tied model's embedding is published once (the learner's named_parameters drops the lm_head alias): the
+    sampler's output layer must follow it on every version, not keep the weights it started with."""
+    pub, _ = synced
+    names = [n for n, _ in hf_model.named_parameters()]
+    assert "lm_head.weight" not in names and "model.embed_tokens.weight" in names
+    for seed in (11, 12):  # the second reload too: the first one may still find the tie intact
+        changed = perturbed({k: original[k] for k in names}, seed=seed)
+        publish_and_wait(aio, engine, pub, changed, versions())
+        full = {**changed, "lm_head.weight": changed["model.embed_tokens.weight"]}
+        torch.testing.assert_close(aio.run(prompt_logprobs(engine)), reference_logprobs(hf_model, full),
+                                   atol=1e-4, rtol=0)
+    publish_and_wait(aio, engine, pub, original, versions())
+
+
 def test_torn_version_is_rejected_and_the_old_one_keeps_serving(engine, aio, synced, original, versions):
     """Force the race end to end: a lagging replica is told to load a slot the learner is rewriting."""
     pub, loader = synced
