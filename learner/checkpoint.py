@@ -140,6 +140,19 @@ def resume_path(cfg: CheckpointConfig) -> Path | None:
     return path
 
 
+def _check_fits(path: Path, state: dict[str, torch.Tensor], actor: Actor) -> None:
+    """A checkpoint of another model (a leftover in checkpoint.dir) fails here, named, not as 600 lines of torch
+    size-mismatch errors."""
+    for name, param in actor.policy.named_parameters():
+        shape = tuple(param.shape)  # the full shape, also for FSDP2 DTensors
+        saved = state.get(name)
+        if saved is not None and tuple(saved.shape) != shape:
+            raise CheckpointError(
+                f"{path} was saved from another model: {name} is {list(saved.shape)} there, {list(shape)} here. "
+                "Point learner.checkpoint.dir elsewhere or set learner.checkpoint.resume=never"
+            )
+
+
 def load_checkpoint(actor: Actor, path: str | Path) -> dict[str, Any]:
     """Restore what the checkpoint holds into `actor` (and the RNGs); return the loop's `extra` dict."""
     path, ctx = Path(path), actor.ctx
@@ -150,6 +163,7 @@ def load_checkpoint(actor: Actor, path: str | Path) -> dict[str, Any]:
     contents = meta["contents"]
     if "model" in contents:
         sd = torch.load(path / "model.pt", map_location="cpu", weights_only=True) if ctx.is_main else {}
+        _check_fits(path, sd, actor)
         set_model_state_dict(actor.policy, sd, options=_load_options(actor))
         del sd
     if "optimizer" in contents:

@@ -106,3 +106,14 @@ def test_export_loads_in_transformers(tiny_model, tmp_path):
         torch.testing.assert_close(tensor, trained[source].to(torch.bfloat16), msg=name)
     tokenizer = AutoTokenizer.from_pretrained(out)
     assert tokenizer.chat_template  # the deployment keeps the chat format it was trained with
+
+
+def test_checkpoint_of_another_model_is_refused_by_name(tiny_model, tmp_path):
+    """A leftover checkpoint of a different model in checkpoint.dir: a one-line error naming the mismatch."""
+    from dgrpo.common.models import make_tiny_model
+
+    cfg = CheckpointConfig(dir=str(tmp_path / "ckpt"))
+    other = make_actor(make_tiny_model(tmp_path / "wider", hidden_size=192))
+    path = save_checkpoint(other, cfg, step=1, extra={})
+    with pytest.raises(CheckpointError, match=r"another model: .*\[49152, 192\] there, \[49152, 128\] here"):
+        load_checkpoint(make_actor(tiny_model), path)
