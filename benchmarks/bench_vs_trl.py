@@ -204,7 +204,7 @@ def dgrpo_overrides(settings: Settings, train_file: Path, run_dir: Path) -> list
     p, g = settings.prompts_per_step, settings.group_size
     return [
         "sampler.enforce_eager=true", "sampler.max_model_len=512", "sampler.kv_cache_space_gib=1",
-        "sampler.cpu_cores=all",
+        "sampler.cpu_cores=all", "model.dtype=float32", "learner.actor.dtype=float32",  # TRL's CPU numerics
         f"learner.data.train_files=[{train_file}]", f"learner.data.train_batch_size={p}",
         f"learner.data.seed={settings.seed}", "learner.data.max_prompt_length=128",
         f"learner.rollout.n={g}", f"learner.rollout.max_response_length={settings.max_new_tokens}",

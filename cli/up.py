@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="dgrpo up",
         description="Run the whole stack locally: rewarder, N sampler replicas, learner. With no --config: the "
-                    "CPU demo (the bundled SmolLM2-135M-Instruct learns arithmetic, about 15 minutes on 2 cores).",
+                    "CPU demo (the bundled SmolLM2-135M-Instruct learns arithmetic, about 6 minutes on 2 cores).",
         epilog="Overrides: dotted KEY=VALUE pairs as for every dgrpo command (see `dgrpo learner --help`). "
                "Send SIGHUP to `dgrpo up` to make the rewarder reload its reward specification in place.",
     )
