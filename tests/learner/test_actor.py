@@ -86,6 +86,9 @@ def test_packing_removes_padding_and_keeps_the_update(tiny_model):
             torch.testing.assert_close(p[k], results[0][0][k], atol=3e-5, rtol=1e-4,
                                        msg=lambda e, j=j, k=k: f"layout {j}, {k}: {e}")
         assert m["actor/loss"] == pytest.approx(results[0][1]["actor/loss"], abs=1e-6)
+        # |learner - sampler| logprob per token (the sampler's are -7 here): a property of the batch, not the layout
+        assert m["actor/sampler_logp_diff"] == pytest.approx(results[0][1]["actor/sampler_logp_diff"], rel=1e-5)
+    assert results[0][1]["actor/sampler_logp_diff"] > 0.1
     assert results[0][1]["actor/padding_frac"] == 0.0  # one sequence per row: no padding
     assert results[1][1]["actor/padding_frac"] > 0.1
     assert results[2][1]["actor/padding_frac"] == 0.0
