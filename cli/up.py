@@ -49,9 +49,25 @@ class Service:
 
 
 def _free_port() -> int:
+    """A free port below the kernel's ephemeral range. The ports are chosen before the services start, and vLLM
+    and ZMQ take ephemeral ports (bind to port 0) for their own sockets meanwhile: a port from that range could be
+    taken by the time the learner binds it (seen as "Address already in use" for weights.announce_port)."""
+    import random
     import socket
 
-    with socket.socket() as s:
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for _ in range(200):
+        port = random.randrange(max(1024, low // 2), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # a crowded range: fall back to what the kernel gives
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

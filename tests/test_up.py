@@ -33,12 +33,15 @@ functions:
 """
 
 
-def _wait_for(predicate, timeout: float, what: str):
+def _wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen, log: Path):
+    """Poll `predicate`; fail at once, with the log's tail, if `dgrpo up` exits first."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()
         if value:
             return value
+        if proc.poll() is not None:
+            raise AssertionError(f"{what}: dgrpo up exited with {proc.returncode}\n{log.read_text()[-5000:]}")
         time.sleep(0.5)
     raise TimeoutError(what)
 
@@ -66,11 +69,12 @@ def test_up_two_samplers_and_a_reward_swap(tiny_model, tmp_path):
     try:
         stack = _wait_for(lambda: (run_dir / "stack.yaml").is_file() and yaml.safe_load((run_dir / "stack.yaml")
                                                                                         .read_text()),
-                          60, "dgrpo up wrote no stack.yaml")
+                          60, "dgrpo up wrote no stack.yaml", proc, tmp_path / "up.log")
         rewarder = f"127.0.0.1:{stack['rewarder']['port']}"
         metrics = run_dir / "metrics.jsonl"
         # After the first step has been scored, swap the reward specification in place.
-        _wait_for(lambda: metrics.is_file() and metrics.read_text().strip(), 400, "no training step finished")
+        _wait_for(lambda: metrics.is_file() and metrics.read_text().strip(), 400, "no training step finished",
+                  proc, tmp_path / "up.log")
         with grpc.insecure_channel(rewarder) as channel:
             reply = rewarder_pb2_grpc.RewarderStub(channel).Reload(rewarder_pb2.ReloadRequest(spec_text=NEW_SPEC),
                                                                     timeout=60)
