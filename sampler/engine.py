@@ -296,6 +296,11 @@ class SamplerEngine:
         params = self._vllm_params(sampling)
         tasks = [asyncio.create_task(self._sample_group(p.id, ids, params)) for p, ids in zip(prompts, token_ids)]
         self._active.update(tasks)
+        for t in tasks:
+            # A finished group leaves the in-flight set at once: when a client hangs up after its last group,
+            # gRPC may leave this generator suspended (its `finally` waits for garbage collection), and a drain
+            # would otherwise wait its whole grace period for groups that are long done.
+            t.add_done_callback(self._active.discard)
         try:
             for next_done in asyncio.as_completed(tasks):
                 yield await next_done
