@@ -48,7 +48,7 @@ class Service:
     lines: list[str] = field(default_factory=list)
 
 
-def _free_port() -> int:
+def stable_free_port() -> int:
     """A free port below the kernel's ephemeral range. The ports are chosen before the services start, and vLLM
     and ZMQ take ephemeral ports (bind to port 0) for their own sockets meanwhile: a port from that range could be
     taken by the time the learner binds it (seen as "Address already in use" for weights.announce_port)."""
@@ -219,15 +219,15 @@ def resolve_stack(args) -> tuple:
 
         train, val = write_task(run_dir / "data", DEMO_TASK)
         extra += [f"learner.data.train_files=[{train}]", f"learner.data.val_files=[{val}]"]
-    sampler_ports = [_free_port() for _ in range(args.samplers)]
-    rewarder_port = _free_port()
+    sampler_ports = [stable_free_port() for _ in range(args.samplers)]
+    rewarder_port = stable_free_port()
     extra += [
         "sampler.host=127.0.0.1",
         f"sampler.addresses=[{', '.join(f'127.0.0.1:{p}' for p in sampler_ports)}]",
         "rewarder.host=127.0.0.1", f"rewarder.port={rewarder_port}",
         f"learner.rollout.rewarder_address=127.0.0.1:{rewarder_port}",
-        f"learner.trainer.control_port={_free_port()}",
-        f"weights.announce_port={_free_port()}", f"weights.control_port={_free_port()}",
+        f"learner.trainer.control_port={stable_free_port()}",
+        f"weights.announce_port={stable_free_port()}", f"weights.control_port={stable_free_port()}",
     ]
     cfg = load_config(StackConfig, config_file, [*args.overrides, *extra])
     cfg.check_whole_stack()

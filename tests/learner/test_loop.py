@@ -9,8 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import random
-import socket
 import subprocess
 import sys
 import threading
@@ -21,6 +19,7 @@ import grpc
 import pytest
 import torch
 import yaml
+from dgrpo.cli.up import stable_free_port
 from dgrpo.v1 import learner_pb2, learner_pb2_grpc, sampler_pb2, sampler_pb2_grpc
 from support import ServiceProcess, free_port
 
@@ -30,17 +29,8 @@ REWARD_SPEC = f"rewarder.spec={{name: test, functions: [{{type: file, path: {REW
 
 
 def fixed_port() -> int:
-    """A free port below Linux's ephemeral range (32768-60999). The learner binds the weight-sync ports minutes after
-    they are chosen; meanwhile engines' bind(0) and outgoing connections draw from the ephemeral range, not here."""
-    for _ in range(200):
-        port = random.randrange(20000, 32000)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port in 20000-32000")
+    """A free port the engines' own bind(0) calls cannot take before the learner binds it (dgrpo up's choice)."""
+    return stable_free_port()
 
 
 def start_rewarder(port: int) -> ServiceProcess:
