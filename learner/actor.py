@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from dgrpo.common.devices import fused_adamw
 from dgrpo.learner import grpo
 from dgrpo.learner.actor_config import ActorConfig, AlgorithmConfig, OptimConfig
+from dgrpo.learner.attention import PROMPT_BLOCKS, block_forward_kwargs
 from dgrpo.learner.batch import MicroBatch, Sequence, micro_batches
 from dgrpo.learner.distributed import (
     DistContext,
@@ -48,16 +49,19 @@ def lr_factor(step: int, optim: OptimConfig, total_steps: int) -> float:
     return optim.min_lr_ratio + (1.0 - optim.min_lr_ratio) * decay
 
 
-def load_causal_lm(path: str | Path, device: torch.device, trust_remote_code: bool = False) -> torch.nn.Module:
-    """A Hugging Face causal LM in fp32 (master weights; autocast computes in bf16) with sdpa attention.
+def load_causal_lm(
+    path: str | Path, device: torch.device, trust_remote_code: bool = False, attention: str = "sdpa"
+) -> torch.nn.Module:
+    """A Hugging Face causal LM in fp32 (master weights; autocast computes in bf16).
 
     sdpa (and flash-attention where installed) honour packed rows: position ids restarting at 0 become a
-    block-diagonal mask when no attention_mask is given.
+    block-diagonal mask when no attention_mask is given. The shared-prompt layout uses PROMPT_BLOCKS
+    (learner/attention.py), sdpa per prompt block.
     """
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation="sdpa", trust_remote_code=trust_remote_code
+        path, dtype=torch.float32, attn_implementation=attention, trust_remote_code=trust_remote_code
     )
     return model.to(device)
 
@@ -90,13 +94,14 @@ class Actor:
         self.step = 0
         """Training steps done (one per `update`)."""
 
-        self.policy = load_causal_lm(model_path, self.ctx.device, trust_remote_code)
+        attention = PROMPT_BLOCKS if cfg.use_dynamic_bsz and cfg.share_prompts else "sdpa"
+        self.policy = load_causal_lm(model_path, self.ctx.device, trust_remote_code, attention)
         self.policy.train()  # dropout is 0 in LLM configs; train mode is what gradient checkpointing keys on
         if cfg.gradient_checkpointing:
             self.policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.reference = None
         if algorithm.beta > 0:
-            self.reference = load_causal_lm(model_path, self.ctx.device, trust_remote_code).eval()
+            self.reference = load_causal_lm(model_path, self.ctx.device, trust_remote_code, attention).eval()
             self.reference.requires_grad_(False)
         if self.ctx.distributed:
             shard_model(self.policy, cfg.fsdp_reshard_after_forward)
@@ -130,10 +135,14 @@ class Actor:
         pred = mb.logit_index  # [B, T]
         length = mb.input_ids.shape[1]
         keep, column = torch.unique(pred % length, sorted=True, return_inverse=True)  # [K], [B, T]
+        if mb.attention_blocks is None:
+            attention = {"attention_mask": mb.attention_mask}
+        else:
+            attention = block_forward_kwargs(mb.attention_blocks)
         with self._autocast():
             logits = model(
-                input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
-                use_cache=False, logits_to_keep=keep,
+                input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False, logits_to_keep=keep,
+                **attention,
             ).logits  # [R, K, V]
         vocab = logits.shape[-1]
         valid = mb.mask.bool()  # [B, T]

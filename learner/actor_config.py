@@ -106,8 +106,8 @@ class ActorConfig(StrictConfig):
     share_prompts: bool = True
     """With use_dynamic_bsz: a group's completions follow one copy of their prompt in the packed row, each
     attending to the prompt and itself, so the prompt is computed once per group instead of once per completion
-    (same logits and gradients). The attention mask is dense, [budget, budget] booleans per micro-batch, and
-    keeps sdpa off its flash kernels: for budgets of tens of thousands of tokens turn it off."""
+    (same logits and gradients). Attention runs as one sdpa call per group block with that block's own mask
+    (learner/attention.py): ~block^2 work instead of budget^2, and no [budget, budget] mask."""
     max_tokens_per_micro_batch: int = Field(default=4096, ge=16)
     """Token budget of one packed micro-batch per device (prompt + completion tokens), with use_dynamic_bsz.
     A single longer sequence still gets a micro-batch of its own."""

@@ -11,8 +11,9 @@ each) and micro-batches (one forward/backward each), laid out either
   sequence attends only to itself and the logits equal the padded ones.
 
 - packed with shared prompts: the completions of one prompt (a GRPO group) follow a single copy of the prompt,
-  each attending to the prompt and to itself (a 4-D boolean mask, the layout of prefix-sharing trainers). With
-  groups of n, a prompt is computed once instead of n times; logits and gradients equal the other layouts'.
+  each attending to the prompt and to itself (the layout of prefix-sharing trainers). With groups of n, a prompt
+  is computed once instead of n times; logits and gradients equal the other layouts'. Attention runs per block
+  (a prompt copy and its completions, learner/attention.py), each with its own small mask.
 
 Every layout gives `MicroBatch.token_index` (where completion token t of sequence b sits in the flattened
 [rows * length] layout) and `logit_index` (the position whose logits predict it), so the loss code sees the same
@@ -25,6 +26,8 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, replace
 
 import torch
+
+from dgrpo.learner.attention import AttentionBlock
 
 
 @dataclass
@@ -63,7 +66,7 @@ class MicroBatch:
 
     input_ids: torch.Tensor  # [R, L] R = B rows (padded) or 1 row (packed)
     position_ids: torch.Tensor  # [R, L]
-    attention_mask: torch.Tensor | None  # [R, L] padded; [1, 1, L, L] bool shared prompts; None packed
+    attention_mask: torch.Tensor | None  # [R, L] padded; None packed
     token_index: torch.Tensor  # [B, T] flat index into [R*L] of completion token t of sequence b (0 where pad)
     logit_index: torch.Tensor  # [B, T] flat index of the position predicting it (the first entry where pad)
     mask: torch.Tensor  # [B, T] float, 1 on real completion tokens
@@ -74,6 +77,7 @@ class MicroBatch:
     padded_tokens: int  # R*L: tokens the forward computes
     real_tokens: int  # of those, tokens that are not padding
     sequence_tokens: int  # sum of sequence lengths (above real_tokens when prompts are shared)
+    attention_blocks: list[AttentionBlock] | None = None  # shared prompts: the row's blocks, in order
 
     @property
     def num_sequences(self) -> int:
@@ -85,6 +89,7 @@ class MicroBatch:
             move(self.input_ids), move(self.position_ids), move(self.attention_mask), move(self.token_index),
             move(self.logit_index), move(self.mask), move(self.advantages), move(self.sampler_logp),
             move(self.truncated), self.indices, self.padded_tokens, self.real_tokens, self.sequence_tokens,
+            None if self.attention_blocks is None else [b.to(device) for b in self.attention_blocks],
         )
 
     def with_indices(self, indices: list[int]) -> MicroBatch:
@@ -136,7 +141,8 @@ def collate_shared_prompts(seqs: Seq[Sequence], indices: Seq[int]) -> MicroBatch
 
     Row: [P1, C1a, C1b, ..., P2, C2a, ...]. Completion Cxi keeps the positions it would have after its prompt
     (|Px|, |Px|+1, ...) and attends to Px and causally to itself; its first token is predicted by Px's last
-    position, later ones by its own previous token. Needs sdpa or eager attention (a 4-D mask).
+    position, later ones by its own previous token. A block (a prompt copy and the completions after it) gets
+    the [u, u] mask of who attends to whom within it, for learner/attention.py.
     """
     if not seqs:
         raise ValueError("cannot collate an empty micro-batch")
@@ -174,10 +180,16 @@ def collate_shared_prompts(seqs: Seq[Sequence], indices: Seq[int]) -> MicroBatch
             sampler_logp[i, :c] = torch.tensor(s.sampler_logprobs)
     blk, vis = torch.tensor(block), torch.tensor(visible)  # [N]
     n = len(ids)
-    causal = torch.ones(n, n, dtype=torch.bool).tril()  # [N(query), N(key)]
-    attend = causal & ((blk[None, :] == blk[:, None]) | (blk[None, :] == vis[:, None]))
-    return _micro_batch(seqs, indices, torch.tensor([ids]), torch.tensor([positions]), attend[None, None],
-                        token_index, logit_index, mask, sampler_logp, real_tokens=n)
+    starts = [i for i, v in enumerate(visible) if v == i]  # a prompt copy's first token sees its own block
+    blocks = []
+    for start, end in zip(starts, [*starts[1:], n]):
+        b, v = blk[start:end], vis[start:end]  # [u]
+        causal = torch.ones(end - start, end - start, dtype=torch.bool).tril()  # [u(query), u(key)]
+        blocks.append(AttentionBlock(start, end, causal & ((b[None, :] == b[:, None]) | (b[None, :] == v[:, None]))))
+    mb = _micro_batch(seqs, indices, torch.tensor([ids]), torch.tensor([positions]), None, token_index, logit_index,
+                      mask, sampler_logp, real_tokens=n)
+    mb.attention_blocks = blocks
+    return mb
 
 
 def _micro_batch(seqs, indices, input_ids, position_ids, attention_mask, token_index, logit_index, mask,

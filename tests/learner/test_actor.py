@@ -204,10 +204,13 @@ def test_shared_prompt_layout():
     assert mb.position_ids.tolist() == [[0, 1, 2, 3, 2, 3, 4, 0, 1]]  # as if each followed its prompt alone
     assert mb.token_index.tolist() == [[2, 3, 0], [4, 5, 6], [8, 0, 0]]
     assert mb.logit_index.tolist() == [[1, 2, 1], [1, 4, 5], [7, 7, 7]]  # first token: the prompt's last position
-    attend = mb.attention_mask[0, 0].int().tolist()  # [query, key]
-    assert attend[2] == [1, 1, 1, 0, 0, 0, 0, 0, 0]
-    assert attend[5] == [1, 1, 0, 0, 1, 1, 0, 0, 0]  # the second completion sees the prompt and itself only
-    assert attend[8] == [0, 0, 0, 0, 0, 0, 0, 1, 1]
+    assert mb.attention_mask is None
+    first, second = mb.attention_blocks  # a prompt copy and its completions, attending only among themselves
+    assert (first.start, first.end, second.start, second.end) == (0, 7, 7, 9)
+    attend = first.mask.int().tolist()  # [query, key]
+    assert attend[2] == [1, 1, 1, 0, 0, 0, 0]
+    assert attend[5] == [1, 1, 0, 0, 1, 1, 0]  # the second completion sees the prompt and itself only
+    assert second.mask.int().tolist() == [[1, 0], [1, 1]]
     assert (mb.padded_tokens, mb.real_tokens, mb.sequence_tokens) == (9, 9, 11)
     # a group stays in one micro-batch unless its prompt + completions exceed the budget
     assert split_groups_by_tokens(seqs, 9) == [[0, 1, 2]]  # 2 + 2 + 3 and 1 + 1
