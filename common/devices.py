@@ -71,6 +71,12 @@ def fused_adamw(device: DeviceKind) -> bool:
     return device in ("cpu", "cuda")
 
 
+def fp32_attention_backward(device: str) -> bool:
+    """Whether bf16 attention should run in fp32: CPU's bf16 flash-attention backward takes twice its fp32 one
+    (2 cores, [1, 9, 170, 64] blocks: 31 ms vs 16 ms), while NPU and CUDA kernels are fastest in bf16."""
+    return device == "cpu"
+
+
 def sampler_env(device: DeviceKind, environ: dict[str, str] | None = None) -> dict[str, str]:
     """Environment defaults a sampler needs before vLLM is imported (user settings win).
 

@@ -129,8 +129,8 @@ class Actor:
         """Logprob of each completion token [B, T] (temperature-scaled; 0 on padding), and its entropy if asked.
 
         Only positions that predict a completion token go through the LM head (transformers' `logits_to_keep`),
-        and the vocab-wide work (fp32 cast, log-softmax, its backward) runs once per real completion token, as one
-        fused cross-entropy: on a small model the [tokens, vocab] tensors cost as much as the decoder layers.
+        and the vocab-wide work (fp32 cast, log-normaliser, its backward) runs once per kept position: on a small
+        model the [tokens, vocab] tensors cost as much as the decoder layers.
         """
         pred = mb.logit_index  # [B, T]
         length = mb.input_ids.shape[1]
@@ -147,16 +147,23 @@ class Actor:
         vocab = logits.shape[-1]
         valid = mb.mask.bool()  # [B, T]
         kept_index = ((pred // length) * keep.numel() + column)[valid]  # [N] flat index into [R*K]
-        rows = logits.reshape(-1, vocab)[kept_index].float()  # [N, V]
+        rows = logits.reshape(-1, vocab)  # [R*K, V]
+        if rows.shape[0] > kept_index.numel():  # padded rows: only the positions that predict a token
+            used, kept_index = torch.unique(kept_index, return_inverse=True)
+            rows = rows[used]
+        rows = rows.float()  # [U, V], U <= N positions that predict a completion token
         if self.temperature != 1.0:
             rows = rows / self.temperature
         targets = mb.input_ids.reshape(-1)[mb.token_index[valid]]  # [N]
-        token_logp = -torch.nn.functional.cross_entropy(rows, targets, reduction="none")  # [N]
+        # log p(token) = logit - log Z, per kept position: the n completions of a shared prompt are all predicted
+        # by its last position, so indexing [U] scalars avoids copying (and scattering back) [N, V] rows.
+        log_z = torch.logsumexp(rows, dim=-1)  # [U]
+        token_logp = rows[kept_index, targets] - log_z[kept_index]  # [N]
         logp = torch.zeros(valid.shape, dtype=rows.dtype, device=rows.device).masked_scatter(valid, token_logp)
         ent = None
         if entropy:
             with torch.no_grad():  # H = log Z - E_p[logit]
-                token_ent = torch.logsumexp(rows, dim=-1) - (torch.softmax(rows, dim=-1) * rows).sum(-1)  # [N]
+                token_ent = (log_z - (torch.softmax(rows, dim=-1) * rows).sum(-1))[kept_index]  # [N]
                 ent = torch.zeros_like(logp).masked_scatter(valid, token_ent)  # [B, T]
         return logp, ent
 

@@ -22,6 +22,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from dgrpo.common.devices import fp32_attention_backward
+
 PROMPT_BLOCKS = "dgrpo_prompt_blocks"
 
 
@@ -55,6 +57,9 @@ def prompt_block_attention(
     if query.shape[0] != 1 or attention_blocks[-1].end != query.shape[2]:
         raise ValueError(f"attention blocks cover {attention_blocks[-1].end} tokens of one row; the forward has "
                          f"{query.shape[0]} rows of {query.shape[2]}")
+    dtype = query.dtype
+    if dtype != torch.float32 and fp32_attention_backward(query.device.type):
+        query, key, value = query.float(), key.float(), value.float()
     parts = [
         sdpa_attention_forward(
             module, query[:, :, b.start : b.end], key[:, :, b.start : b.end], value[:, :, b.start : b.end],
@@ -62,7 +67,7 @@ def prompt_block_attention(
         )[0]
         for b in attention_blocks
     ]
-    return torch.cat(parts, dim=1), None
+    return torch.cat(parts, dim=1).to(dtype), None
 
 
 def block_forward_kwargs(blocks: list[AttentionBlock]) -> dict:
