@@ -1,0 +1,56 @@
+"""Block attention (learner/attention.py): a PROMPT_BLOCKS model is an sdpa model unless given blocks, and with
+blocks it computes what the row's dense [N, N] mask would."""
+
+import pytest
+import torch
+
+from dgrpo.learner.actor import load_causal_lm
+from dgrpo.learner.attention import PROMPT_BLOCKS, block_forward_kwargs
+from dgrpo.learner.batch import Sequence, collate_shared_prompts
+
+
+@pytest.fixture(scope="module")
+def models(tiny_model):
+    cpu = torch.device("cpu")
+    return load_causal_lm(tiny_model, cpu).eval(), load_causal_lm(tiny_model, cpu, attention=PROMPT_BLOCKS).eval()
+
+
+def test_without_blocks_it_is_sdpa(models):
+    sdpa, blocks = models
+    ids = torch.tensor([[5, 6, 7, 8, 9], [10, 11, 12, 0, 0]])
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
+    with torch.no_grad():
+        torch.testing.assert_close(blocks(input_ids=ids, attention_mask=mask).logits,
+                                   sdpa(input_ids=ids, attention_mask=mask).logits)
+
+
+def test_blocks_equal_the_dense_mask(models):
+    """Two groups sharing their prompts: per-block attention gives the logits of sdpa with the full [N, N] mask."""
+    sdpa, blocks = models
+    seqs = [Sequence([1, 2, 3], [4, 5], 1.0), Sequence([1, 2, 3], [6, 7, 8], -1.0), Sequence([9, 10], [11], 0.5)]
+    mb = collate_shared_prompts(seqs, [0, 1, 2])
+    n = mb.input_ids.shape[1]
+    dense = torch.zeros(n, n, dtype=torch.bool)  # [query, key]
+    for b in mb.attention_blocks:
+        dense[b.start : b.end, b.start : b.end] = b.mask
+    with torch.no_grad():
+        want = sdpa(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=dense[None, None]).logits
+        got = blocks(input_ids=mb.input_ids, position_ids=mb.position_ids,
+                     **block_forward_kwargs(mb.attention_blocks)).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # A block of the second group must not see the first group: changing group 1's tokens leaves it unchanged.
+    other = mb.input_ids.clone()
+    other[0, :3] = torch.tensor([20, 21, 22])
+    with torch.no_grad():
+        moved = blocks(input_ids=other, position_ids=mb.position_ids,
+                       **block_forward_kwargs(mb.attention_blocks)).logits
+    last = mb.attention_blocks[-1]
+    torch.testing.assert_close(moved[0, last.start :], got[0, last.start :])
+    assert not torch.allclose(moved[0, : last.start], got[0, : last.start])
+
+
+def test_blocks_that_do_not_cover_the_row_are_refused(models):
+    _, blocks = models
+    mb = collate_shared_prompts([Sequence([1, 2], [3], 1.0)], [0])
+    with pytest.raises(ValueError, match="attention blocks cover 3 tokens"):
+        blocks(input_ids=torch.tensor([[1, 2, 3, 4]]), **block_forward_kwargs(mb.attention_blocks))
