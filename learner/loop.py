@@ -38,6 +38,7 @@ from dgrpo.learner.metrics import MetricsLogger, StepTimer
 from dgrpo.learner.reward_client import GroupReward, RewardClient, score_group
 from dgrpo.learner.rollout import RolloutClient, RolloutStats, make_prompt
 from dgrpo.v1 import sampler_pb2
+from dgrpo.weights.rounding import publish_cast
 
 log = logging.getLogger("dgrpo.learner")
 
@@ -328,7 +329,13 @@ class Trainer:
     def publish(self) -> float:
         """Every rank joins the gather of full weights; rank 0 writes and announces them as `self.version`."""
         t0 = time.perf_counter()
-        named = self.actor.named_weights(dtype=getattr(torch, self.cfg.model.dtype))
+        dtype = getattr(torch, self.cfg.model.dtype)
+        if dtype == torch.bfloat16 and self.cfg.weights.rounding == "stochastic":
+            # fp32 masters, rounded on CPU; seeded by run seed and version so a rerun publishes the same bits
+            cast = publish_cast(dtype, "stochastic", seed=self.lc.trainer.seed * 1_000_003 + self.version)
+            named = ((name, cast(t)) for name, t in self.actor.named_weights(dtype=torch.float32))
+        else:
+            named = self.actor.named_weights(dtype=dtype)
         if self.ctx.is_main:
             self.publisher.publish(named, self.version)
         else:
