@@ -15,30 +15,42 @@ from __future__ import annotations
 import torch
 
 _POOL = 1 << 20
-"""Random draws per publish: tensors longer than this reuse the pool cyclically. Each element still gets a uniform
-draw (unbiased); drawing one per element would cost ~1 s per 135M parameters on 2 cores."""
+"""Random draws per publish, shared by all tensors (each starts at its own random offset, and tensors longer than
+the pool reuse it cyclically). Each element still gets a uniform draw, so every weight stays unbiased; one draw
+per element would cost ~1 s per 135M parameters on 2 cores."""
 
 
-def stochastic_bf16(t: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+def draw_pool(generator: torch.Generator) -> torch.Tensor:
+    """Uniform 16-bit draws, twice over, so that any window of _POOL of them is one slice."""
+    pool = torch.randint(0, 1 << 16, (_POOL,), dtype=torch.int32, generator=generator)
+    return torch.cat([pool, pool])
+
+
+def stochastic_bf16(t: torch.Tensor, generator: torch.Generator, pool: torch.Tensor | None = None) -> torch.Tensor:
     """bf16 copy of the fp32 tensor `t`, each element rounded to one of its two neighbours, up with probability
-    (distance to the lower one) / (their spacing): E[result] = t."""
+    (distance to the lower one) / (their spacing): E[result] = t. `pool`: draw_pool's output, reused across the
+    tensors of one publish (drawn here when not given)."""
     if t.dtype != torch.float32:
         raise ValueError(f"stochastic rounding to bf16 takes fp32 tensors, got {t.dtype}")
+    pool = draw_pool(generator) if pool is None else pool
     bits = t.detach().reshape(-1).view(torch.int32)  # sign | exponent | 23 mantissa bits; bf16 keeps the top 16
-    n = bits.numel()
-    pool = torch.randint(0, 1 << 16, (min(n, _POOL),), dtype=torch.int32, generator=generator)
+    n, size = bits.numel(), pool.numel() // 2
+    offset = int(torch.randint(0, size, (1,), generator=generator))
+    window = pool[offset : offset + min(n, size)]
     out = torch.empty_like(bits)
-    whole = n - n % pool.numel()  # the pool broadcast over rows of its length, then the remainder
-    torch.add(bits[:whole].view(-1, pool.numel()), pool, out=out[:whole].view(-1, pool.numel()))
-    torch.add(bits[whole:], pool[: n - whole], out=out[whole:])
+    whole = n - n % window.numel()  # the window broadcast over rows of its length, then the remainder
+    torch.add(bits[:whole].view(-1, window.numel()), window, out=out[:whole].view(-1, window.numel()))
+    torch.add(bits[whole:], window[: n - whole], out=out[whole:])
     # Adding a uniform 16-bit draw to the magnitude carries into the kept bits with exactly that probability
     # (for negative numbers too: the magnitude grows away from zero); the shift keeps sign, exponent, 7 bits.
     return out.bitwise_right_shift_(16).to(torch.int16).view(torch.bfloat16).reshape(t.shape)
 
 
 def publish_cast(dtype: torch.dtype, rounding: str, seed: int):
-    """The cast from fp32 master weights to the published `dtype`: stochastic for bf16 when asked, else nearest."""
+    """The cast from fp32 master weights to the published `dtype` for one publish: stochastic for bf16 when
+    asked (one pool of draws for all tensors), else nearest."""
     if dtype != torch.bfloat16 or rounding == "nearest":
         return lambda t: t.to(dtype)
     generator = torch.Generator().manual_seed(seed)
-    return lambda t: stochastic_bf16(t, generator) if t.dtype == torch.float32 else t.to(dtype)
+    pool = draw_pool(generator)
+    return lambda t: stochastic_bf16(t, generator, pool) if t.dtype == torch.float32 else t.to(dtype)
