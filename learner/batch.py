@@ -186,14 +186,12 @@ def collate_shared_prompts(seqs: Seq[Sequence], indices: Seq[int]) -> MicroBatch
         b, v = blk[start:end], vis[start:end]  # [u]
         causal = torch.ones(end - start, end - start, dtype=torch.bool).tril()  # [u(query), u(key)]
         blocks.append(AttentionBlock(start, end, causal & ((b[None, :] == b[:, None]) | (b[None, :] == v[:, None]))))
-    mb = _micro_batch(seqs, indices, torch.tensor([ids]), torch.tensor([positions]), None, token_index, logit_index,
-                      mask, sampler_logp, real_tokens=n)
-    mb.attention_blocks = blocks
-    return mb
+    return _micro_batch(seqs, indices, torch.tensor([ids]), torch.tensor([positions]), None, token_index,
+                        logit_index, mask, sampler_logp, real_tokens=n, attention_blocks=blocks)
 
 
 def _micro_batch(seqs, indices, input_ids, position_ids, attention_mask, token_index, logit_index, mask,
-                 sampler_logp, *, real_tokens: int) -> MicroBatch:
+                 sampler_logp, *, real_tokens: int, attention_blocks: list[AttentionBlock] | None = None) -> MicroBatch:
     # Padding entries of logit_index point at their row's first prediction: no new position for the LM head.
     logit_index = torch.where(mask.bool(), logit_index, logit_index[:, :1])
     return MicroBatch(
@@ -210,6 +208,7 @@ def _micro_batch(seqs, indices, input_ids, position_ids, attention_mask, token_i
         padded_tokens=input_ids.numel(),
         real_tokens=real_tokens,
         sequence_tokens=sum(len(s) for s in seqs),
+        attention_blocks=attention_blocks,
     )
 
 
