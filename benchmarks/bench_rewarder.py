@@ -48,8 +48,9 @@ def make_groups(n: int, seed: int = 0):
 def make_tiny_reward_model(folder: Path) -> Path:
     """A 2-layer random LlamaForSequenceClassification with the bundled tokenizer (same as the tests')."""
     import torch
-    from dgrpo.common.models import prepare_bundled_model
     from transformers import AutoTokenizer, LlamaConfig, LlamaForSequenceClassification
+
+    from dgrpo.common.models import prepare_bundled_model
 
     tokenizer = AutoTokenizer.from_pretrained(prepare_bundled_model())
     config = LlamaConfig(

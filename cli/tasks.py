@@ -181,8 +181,9 @@ def measure(names: list[str], n_prompts: int = 64, n: int = 4, max_tokens: int =
     import os
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from dgrpo.common.models import resolve_model_path
     from vllm import LLM, SamplingParams
+
+    from dgrpo.common.models import resolve_model_path
 
     llm = LLM(model=str(resolve_model_path(None)), enforce_eager=True, dtype="bfloat16", seed=seed,
               max_model_len=512)

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from typing import Literal
 
+from pydantic import Field, model_validator
+
 from dgrpo.common.config import StrictConfig
 from dgrpo.learner.actor_config import ActorConfig, AlgorithmConfig, CheckpointConfig, OptimConfig
 from dgrpo.learner.data import DataConfig
 from dgrpo.learner.rollout import RolloutConfig
-from pydantic import Field, model_validator
 
 Logger = Literal["console", "jsonl", "tensorboard", "wandb"]
 

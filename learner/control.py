@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 
 import grpc
+
 from dgrpo.common.grpc_server import CHANNEL_OPTIONS, add_standard_services, set_health
 from dgrpo.v1 import learner_pb2, learner_pb2_grpc
 

@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from dgrpo.common.config import ConfigError, StrictConfig
 from pydantic import Field
+
+from dgrpo.common.config import ConfigError, StrictConfig
 
 log = logging.getLogger(__name__)
 

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import grpc
 import torch
+
 from dgrpo.common.config import to_yaml
 from dgrpo.common.devices import detect_device
 from dgrpo.common.models import resolve_model_path

@@ -18,9 +18,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+from google.protobuf import struct_pb2
+
 from dgrpo.learner.rollout import CLIENT_OPTIONS
 from dgrpo.v1 import rewarder_pb2, rewarder_pb2_grpc
-from google.protobuf import struct_pb2
 
 log = logging.getLogger(__name__)
 

@@ -26,10 +26,11 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
+from pydantic import Field
+
 from dgrpo.common.config import StrictConfig
 from dgrpo.common.grpc_server import CHANNEL_OPTIONS
 from dgrpo.v1 import sampler_pb2, sampler_pb2_grpc
-from pydantic import Field
 
 log = logging.getLogger(__name__)
 

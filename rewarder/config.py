@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from dgrpo.common.config import StrictConfig
 from pydantic import Field, model_validator
+
+from dgrpo.common.config import StrictConfig
 
 
 class _FunctionBase(StrictConfig):

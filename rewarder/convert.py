@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from google.protobuf import json_format
+
 from dgrpo.rewarder.scorer import GroupInput, ScoreResult
 from dgrpo.rewarder.spec import FunctionInfo, SpecRef
 from dgrpo.v1 import rewarder_pb2 as pb
-from google.protobuf import json_format
 
 _MAX_EXACT_INT = 2**53
 

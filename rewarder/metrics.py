@@ -5,8 +5,9 @@ Names follow Prometheus conventions (`_total` counters, `_seconds` histograms); 
 
 from __future__ import annotations
 
-from dgrpo.rewarder.spec import SpecRef
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
+
+from dgrpo.rewarder.spec import SpecRef
 
 COMPLETIONS = Counter("dgrpo_rewarder_completions_total", "Completions scored, by status (ok / error)", ["status"])
 FUNCTION_ERRORS = Counter(

@@ -11,6 +11,7 @@ import logging
 import signal
 
 import grpc
+
 from dgrpo.common.grpc_server import CHANNEL_OPTIONS, add_standard_services, serve_until_signal, set_health
 from dgrpo.common.logs import setup_logging
 from dgrpo.rewarder import convert, metrics

@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
-from dgrpo.rewarder.config import FileFunction, ModelFunction, RewardSpec, function_name
 from pydantic import ValidationError
+
+from dgrpo.rewarder.config import FileFunction, ModelFunction, RewardSpec, function_name
 
 
 class SpecError(ValueError):

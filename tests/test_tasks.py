@@ -9,6 +9,7 @@ import sys
 
 import pyarrow.parquet as pq
 import pytest
+
 from dgrpo.cli.tasks import DEMO_TASK, INSTRUCTION, TASKS, last_number_reward, make_rows, write_task
 
 _QUESTION = re.compile(r"(\d+) ([+×-]) (\d+)(?: \+ (\d+))?")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from dgrpo.common.config import ConfigError
 from dgrpo.learner.data import DataConfig, PromptStream, check_files, load_prompts, tokenize_prompt
 

@@ -19,9 +19,10 @@ import grpc
 import pytest
 import torch
 import yaml
+from support import ServiceProcess, free_port
+
 from dgrpo.cli.up import stable_free_port
 from dgrpo.v1 import learner_pb2, learner_pb2_grpc, sampler_pb2, sampler_pb2_grpc
-from support import ServiceProcess, free_port
 
 pytestmark = pytest.mark.slow
 REWARD_FNS = Path(__file__).with_name("reward_fns.py")

@@ -5,10 +5,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from support import free_port
+
 from dgrpo.learner.reward_client import RewardClient, score_group
 from dgrpo.learner.rollout import RolloutClient, RolloutConfig, RolloutError, make_prompt, resolve_addresses
 from dgrpo.v1 import rewarder_pb2, sampler_pb2
-from support import free_port
 
 
 def test_resolve_addresses_expands_dns_names_and_keeps_host_ports():

@@ -76,8 +76,9 @@ def reward_file(tmp_path_factory) -> Path:
 def tiny_reward_model(tmp_path_factory) -> Path:
     """A 2-layer random LlamaForSequenceClassification (1 label) with the bundled tokenizer, saved as a folder."""
     import torch
-    from dgrpo.common.models import prepare_bundled_model
     from transformers import AutoTokenizer, LlamaConfig, LlamaForSequenceClassification
+
+    from dgrpo.common.models import prepare_bundled_model
 
     tokenizer = AutoTokenizer.from_pretrained(prepare_bundled_model())
     config = LlamaConfig(

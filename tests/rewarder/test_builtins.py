@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+
 from dgrpo.rewarder.builtins import build_builtin
 from dgrpo.rewarder.config import RewardSpec
 from dgrpo.rewarder.convert import groups_from_proto, groups_to_proto

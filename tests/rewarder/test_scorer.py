@@ -6,6 +6,7 @@ import asyncio
 import json
 
 import pytest
+
 from dgrpo.rewarder.config import RewarderConfig
 from dgrpo.rewarder.scorer import GroupInput, RequestError, Scorer, ScoringFailed
 from dgrpo.rewarder.spec import SpecError

@@ -10,12 +10,13 @@ import urllib.request
 import grpc
 import pytest
 import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
 from dgrpo.rewarder.convert import groups_to_proto
 from dgrpo.rewarder.scorer import GroupInput
 from dgrpo.v1 import rewarder_pb2 as pb
 from dgrpo.v1 import rewarder_pb2_grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 pytestmark = pytest.mark.slow
 

@@ -13,10 +13,10 @@ import torch
 from google.protobuf.descriptor_pool import DescriptorPool
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+from support import ServiceProcess, free_port
 
 from dgrpo.v1 import sampler_pb2 as pb
 from dgrpo.v1 import sampler_pb2_grpc
-from support import ServiceProcess, free_port
 
 pytestmark = pytest.mark.slow
 MAX_MODEL_LEN = 1024
