@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import re
 import signal
 import subprocess
@@ -52,7 +53,6 @@ def stable_free_port() -> int:
     """A free port below the kernel's ephemeral range. The ports are chosen before the services start, and vLLM
     and ZMQ take ephemeral ports (bind to port 0) for their own sockets meanwhile: a port from that range could be
     taken by the time the learner binds it (seen as "Address already in use" for weights.announce_port)."""
-    import random
     import socket
 
     try:

@@ -330,13 +330,10 @@ class Trainer:
     def publish(self) -> float:
         """Every rank joins the gather of full weights; rank 0 writes and announces them as `self.version`."""
         t0 = time.perf_counter()
-        dtype = getattr(torch, self.cfg.model.dtype)
-        if dtype == torch.bfloat16 and self.cfg.weights.rounding == "stochastic":
-            # fp32 masters, rounded on CPU; seeded by run seed and version so a rerun publishes the same bits
-            cast = publish_cast(dtype, "stochastic", seed=self.lc.trainer.seed * 1_000_003 + self.version)
-            named = ((name, cast(t)) for name, t in self.actor.named_weights(dtype=torch.float32))
-        else:
-            named = self.actor.named_weights(dtype=dtype)
+        # Seeded by run seed and version, so a rerun publishes the same bits.
+        gather_dtype, cast = publish_cast(getattr(torch, self.cfg.model.dtype), self.cfg.weights.rounding,
+                                          seed=self.lc.trainer.seed * 1_000_003 + self.version)
+        named = ((name, cast(t)) for name, t in self.actor.named_weights(dtype=gather_dtype))
         if self.ctx.is_main:
             self.publisher.publish(named, self.version)
         else:

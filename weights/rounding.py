@@ -12,6 +12,8 @@ used for low-precision training, e.g. Gupta et al. 2015, "Deep learning with lim
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 _POOL = 1 << 20
@@ -46,11 +48,12 @@ def stochastic_bf16(t: torch.Tensor, generator: torch.Generator, pool: torch.Ten
     return out.bitwise_right_shift_(16).to(torch.int16).view(torch.bfloat16).reshape(t.shape)
 
 
-def publish_cast(dtype: torch.dtype, rounding: str, seed: int):
-    """The cast from fp32 master weights to the published `dtype` for one publish: stochastic for bf16 when
-    asked (one pool of draws for all tensors), else nearest."""
+def publish_cast(dtype: torch.dtype, rounding: str, seed: int) -> tuple[torch.dtype, Callable[[torch.Tensor], torch.Tensor]]:
+    """How one publish turns master weights into the published `dtype`: (the dtype to gather them in, the cast).
+    Stochastic for bf16 when asked (gathered as fp32, one pool of draws for all tensors); otherwise the gather
+    itself casts to nearest and the cast is the identity."""
     if dtype != torch.bfloat16 or rounding == "nearest":
-        return lambda t: t.to(dtype)
+        return dtype, lambda t: t
     generator = torch.Generator().manual_seed(seed)
     pool = draw_pool(generator)
-    return lambda t: stochastic_bf16(t, generator, pool) if t.dtype == torch.float32 else t.to(dtype)
+    return torch.float32, lambda t: stochastic_bf16(t, generator, pool) if t.dtype == torch.float32 else t.to(dtype)
