@@ -48,22 +48,24 @@ class ServiceProcess:
     def __init__(self, command: str, overrides: list[str], port: int, env: dict[str, str] | None = None):
         self.command, self.port = command, port
         self.address = f"127.0.0.1:{port}"
-        self.log = tempfile.NamedTemporaryFile(prefix=f"dgrpo-{command}-", suffix=".log", delete=False)
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "dgrpo.cli", command, *overrides],
-            stdout=self.log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True,
-        )
+        # The child writes through its own copy of the descriptor; ours closes once it is started.
+        with tempfile.NamedTemporaryFile(prefix=f"dgrpo-{command}-", suffix=".log", delete=False) as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "dgrpo.cli", command, *overrides],
+                stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True,
+            )
+        self.log_path = Path(log.name)
 
     def wait_ready(self, timeout: float = 240) -> ServiceProcess:
         try:
             wait_serving(self.address, timeout, self.proc)
-        except Exception:
+        except (RuntimeError, TimeoutError):  # what wait_serving raises: exited, or not SERVING in time
             raise RuntimeError(f"{self.command} failed to start; log:\n{self.logs()[-6000:]}") from None
         return self
 
     def logs(self) -> str:
-        return Path(self.log.name).read_text(errors="replace")
+        return self.log_path.read_text(errors="replace")
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
         if self.proc.poll() is None:

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import signal
-import threading
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -127,23 +127,15 @@ def test_seed_makes_sampling_reproducible(stub):
 
 
 def test_concurrent_clients_share_the_engine(sampler):
-    results: dict[int, list[pb.Group]] = {}
-    errors: list[Exception] = []
+    def client(i: int) -> list[pb.Group]:
+        with grpc.insecure_channel(sampler.address) as ch:
+            prompts = [pb.Prompt(id=f"c{i}-{j}", text=f"Story number {i}.{j}:") for j in range(3)]
+            return generate(sampler_pb2_grpc.SamplerStub(ch), prompts, n=2, max_tokens=16)
 
-    def client(i: int) -> None:
-        try:
-            with grpc.insecure_channel(sampler.address) as ch:
-                prompts = [pb.Prompt(id=f"c{i}-{j}", text=f"Story number {i}.{j}:") for j in range(3)]
-                results[i] = generate(sampler_pb2_grpc.SamplerStub(ch), prompts, n=2, max_tokens=16)
-        except Exception as e:  # reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not errors
+    # 4 clients at once; result() re-raises a client's error here, in the test
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(client, i) for i in range(4)]
+        results = {i: f.result(timeout=120) for i, f in enumerate(futures)}
     for i in range(4):
         assert sorted(g.prompt_id for g in results[i]) == [f"c{i}-{j}" for j in range(3)]
         assert all(len(g.completions) == 2 for g in results[i])
