@@ -9,19 +9,47 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from dgrpo.common.config import ConfigError, describe, load_config, to_yaml
 
+if TYPE_CHECKING:
+    from dgrpo.cli.stack import StackConfig
+
+
+# Each service is handed only its typed sections; the import stays inside, so a command loads only its service.
+def _sampler(cfg: StackConfig) -> int:
+    from dgrpo.sampler.server import main
+
+    return main(cfg.model, cfg.sampler, cfg.weights)
+
+
+def _rewarder(cfg: StackConfig) -> int:
+    from dgrpo.rewarder.server import main
+
+    return main(cfg.rewarder)
+
+
+def _learner(cfg: StackConfig) -> int:
+    from dgrpo.learner.main import main
+
+    return main(cfg.learner_run())
+
+
+def _show_config(cfg: StackConfig) -> int:
+    print(to_yaml(cfg), end="")
+    return 0
+
+
 # Commands that drive the whole stack also run StackConfig.check_whole_stack().
 WHOLE_STACK = {"learner"}
-# command -> (one-line purpose, config sections shown in --help, "module:function" run with the StackConfig)
-COMMANDS: dict[str, tuple[str, tuple[str, ...], str]] = {
-    "sampler": ("serve one sampler replica (vLLM engine over gRPC)", ("model", "sampler", "weights"),
-                "dgrpo.sampler.server:main"),
-    "rewarder": ("serve the reward service", ("rewarder",), "dgrpo.rewarder.server:main"),
+# command -> (one-line purpose, config sections shown in --help, what runs it with the StackConfig)
+COMMANDS: dict[str, tuple[str, tuple[str, ...], Callable[[StackConfig], int]]] = {
+    "sampler": ("serve one sampler replica (vLLM engine over gRPC)", ("model", "sampler", "weights"), _sampler),
+    "rewarder": ("serve the reward service", ("rewarder",), _rewarder),
     "learner": ("run GRPO training, driving samplers and rewarder", ("model", "learner", "sampler", "weights"),
-                "dgrpo.learner.main:main"),
-    "show-config": ("print the fully resolved configuration as YAML", (), "dgrpo.cli.main:_show_config"),
+                _learner),
+    "show-config": ("print the fully resolved configuration as YAML", (), _show_config),
 }
 
 OVERRIDE_HELP = (
@@ -40,18 +68,6 @@ def _options_help(sections: tuple[str, ...]) -> str:
         lines.append(f"\n[{name}] {field.description or ''}")
         lines.extend(describe(field.annotation, name + "."))
     return "\n".join(lines)
-
-
-def _show_config(cfg) -> int:
-    print(to_yaml(cfg), end="")
-    return 0
-
-
-def _resolve(target: str) -> Callable:
-    import importlib
-
-    module, func = target.split(":")
-    return getattr(importlib.import_module(module), func)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -94,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dgrpo {args.command}: {e}", file=sys.stderr)
         return 2
     try:
-        return int(_resolve(COMMANDS[args.command][2])(cfg) or 0)
+        return int(COMMANDS[args.command][2](cfg) or 0)
     except (ConfigError, FileNotFoundError) as e:  # bad paths surface at start, as one clear line
         print(f"dgrpo {args.command}: {e}", file=sys.stderr)
         return 2

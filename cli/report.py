@@ -113,16 +113,16 @@ def plot(train: list[dict], val: list[dict], out: Path) -> Path:
     return out
 
 
-def write_report(run_dir: Path, cfg=None) -> dict[str, float]:
-    """Print the summary table and write `<run_dir>/report.png`; returns the summary."""
+def write_report(run_dir: Path, export_dir: str | None = None) -> dict[str, float]:
+    """Print the summary table and write `<run_dir>/report.png` (and where the exported model is, when the run
+    exported one: `learner.checkpoint.export_dir`); returns the summary."""
     train, val = read_metrics(run_dir)
     summary = summarize(train, val)
     png = plot(train, val, run_dir / "report.png")
     print("\n" + format_table(summary), flush=True)
     print(f"\n  metrics : {run_dir / 'metrics.jsonl'}\n  plot    : {png}", flush=True)
-    export = getattr(getattr(cfg, "learner", None), "checkpoint", None)
-    if export is not None and export.export_dir:
-        print(f"  model   : {export.export_dir}  (serve: vllm serve {export.export_dir})", flush=True)
+    if export_dir:
+        print(f"  model   : {export_dir}  (serve: vllm serve {export_dir})", flush=True)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 

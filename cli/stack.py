@@ -1,7 +1,8 @@
 """The root configuration of the whole stack: one YAML file, one section per component.
 
-Each section's schema lives next to its component; this file only assembles them and holds the checks
-that span components (e.g. prompt + response lengths must fit the sampler's context).
+Each section's schema lives next to its component; this file only assembles them, holds the checks that span
+components (e.g. prompt + response lengths must fit the sampler's context) and cuts out what each service is
+handed (services cannot import this module: it imports all of them).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from pydantic import Field
 
 from dgrpo.common.config import ConfigError, StrictConfig
 from dgrpo.common.model_config import ModelConfig
-from dgrpo.learner.config import LearnerConfig
+from dgrpo.learner.config import LearnerConfig, LearnerRunConfig
 from dgrpo.rewarder.config import RewarderConfig
 from dgrpo.sampler.config import SamplerConfig
 from dgrpo.weights.config import WeightSyncConfig
@@ -41,3 +42,8 @@ class StackConfig(StrictConfig):
                 f"learner.data.max_prompt_length={prompt} + learner.rollout.max_response_length={response} exceeds "
                 f"sampler.max_model_len={self.sampler.max_model_len}: the samplers could not hold a full sequence"
             )
+
+    def learner_run(self) -> LearnerRunConfig:
+        """The learner's sections, the sampler addresses it drives, and this whole config for its records."""
+        return LearnerRunConfig(model=self.model, learner=self.learner, weights=self.weights,
+                                sampler_addresses=self.sampler.addresses, stack=self.model_dump(mode="json"))

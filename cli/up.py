@@ -284,7 +284,7 @@ def run(args) -> int:
         if code == 0 and not interrupted["count"]:
             from dgrpo.cli.report import write_report
 
-            write_report(run_dir, cfg)
+            write_report(run_dir, export_dir=cfg.learner.checkpoint.export_dir)
         return 130 if interrupted["count"] and code == 0 else code
     except (RuntimeError, TimeoutError) as e:
         print(f"dgrpo up: {e}", file=sys.stderr, flush=True)

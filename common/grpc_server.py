@@ -1,15 +1,19 @@
-"""gRPC server plumbing every service shares: health checking, reflection, graceful SIGTERM.
+"""The one gRPC server bootstrap every service uses: bind, health, reflection, graceful SIGTERM.
 
-Lifecycle as a pair (grpc's own examples): a service's `create_server` registers its servicer and calls
-`add_standard_services`; `serve_until_signal` runs it and, on SIGTERM/SIGINT, flips health to NOT_SERVING,
-stops accepting and gives in-flight calls `grace` seconds.
+Lifecycle as a pair (grpc's own examples): a service's `create_server(config)` registers its servicer through
+`create_server` here, which adds health and reflection and binds (a failed bind names the config key);
+`serve_until_signal` runs it. Health answers NOT_SERVING from `start()` until the service has loaded what it needs
+and calls `set_serving(True)`; on SIGTERM/SIGINT it flips back to NOT_SERVING, lets in-flight work drain, and stops
+the server with a grace period. Server interceptors (authentication) are passed here and nowhere else.
 """
 
 from __future__ import annotations
 
 import asyncio
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -21,44 +25,100 @@ CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
+# gRPC sets SO_REUSEPORT by default on Linux: a second server on a taken port would bind, and the two would split
+# the connections silently. Off, a taken port fails the bind, which `create_server` reports.
+SERVER_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)]
 
 
-def add_standard_services(server: grpc.aio.Server, service_names: list[str]):
-    """Register health and reflection; returns the health servicer. Call `set_health` before serving:
-    a service reports NOT_SERVING until it has loaded what it needs."""
+class BindError(OSError):
+    """The server cannot listen on the configured address (taken, or not an address of this host)."""
+
+
+@dataclass
+class GrpcServer:
+    """A bound grpc.aio server with health and reflection; made by `create_server`."""
+
+    server: grpc.aio.Server
+    port: int
+    """The bound port (the configured one, or the one picked for port 0)."""
+    service_names: list[str]
+    health: health.aio.HealthServicer
+
+    async def start(self) -> None:
+        """Accept calls, with health NOT_SERVING (the health servicer's default would be SERVING)."""
+        await self.set_serving(False)
+        await self.server.start()
+
+    async def set_serving(self, serving: bool) -> None:
+        """Health of the whole server ("") and of each service."""
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ["", *self.service_names]:
+            result = self.health.set(name, status)
+            if asyncio.iscoroutine(result):
+                await result
+
+    async def stop(
+        self,
+        grace: float,
+        *,
+        drain: Callable[[], Awaitable[None]] | None = None,
+        on_stop: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
+        """NOT_SERVING (balancers stop sending), `drain` (e.g. let in-flight work finish), server.stop(grace)
+        (cancels what still runs after `grace` seconds), then `on_stop` (e.g. engine shutdown)."""
+        await self.set_serving(False)
+        if drain is not None:
+            await drain()
+        await self.server.stop(grace)
+        if on_stop is not None:
+            await on_stop()
+
+
+def create_server(
+    servicer: Any,
+    add_servicer: Callable[[Any, grpc.aio.Server], None],
+    service_name: str,
+    *,
+    host: str,
+    port: int,
+    config_key: str,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+) -> GrpcServer:
+    """A server with `servicer` (registered by its generated `add_*Servicer_to_server`), health and reflection,
+    bound to host:port. `config_key` names the setting of the port in a BindError. Not started: call `start()`."""
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=list(interceptors))
+    add_servicer(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    return health_servicer
-
-
-async def set_health(health_servicer, service_names: list[str], serving: bool) -> None:
-    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-    for name in ["", *service_names]:
-        result = health_servicer.set(name, status)
-        if asyncio.iscoroutine(result):
-            await result
+    reflection.enable_server_reflection([service_name, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    address = f"{host}:{port}"
+    try:
+        bound = server.add_insecure_port(address)
+    except RuntimeError:  # grpcio raises "Failed to bind"; older versions returned port 0
+        bound = 0
+    if bound == 0:
+        raise BindError(f"cannot listen on {address} ({config_key}={port}): the port is taken or {host!r} is not "
+                        "an address of this host")
+    return GrpcServer(server, bound, [service_name], health_servicer)
 
 
 async def serve_until_signal(
-    server: grpc.aio.Server,
-    health_servicer,
-    service_names: list[str],
+    server: GrpcServer,
     *,
     grace: float,
-    on_signal: Callable[[], Awaitable[None]] | None = None,
+    drain: Callable[[], Awaitable[None]] | None = None,
     on_stop: Callable[[], Awaitable[None]] | None = None,
 ) -> None:
-    """Run until SIGTERM/SIGINT; then NOT_SERVING, `on_signal` (e.g. let in-flight work drain),
-    server.stop(grace) (cancels what is still running after `grace`), and `on_stop` (e.g. engine shutdown)."""
+    """Run until SIGTERM/SIGINT, then `server.stop(grace, drain=..., on_stop=...)`. Further signals during the
+    stop are absorbed, so a second Ctrl-C does not cut the drain short."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    signals = (signal.SIGTERM, signal.SIGINT)
+    for sig in signals:
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await set_health(health_servicer, service_names, serving=False)
-    if on_signal is not None:
-        await on_signal()
-    await server.stop(grace)
-    if on_stop is not None:
-        await on_stop()
+    try:
+        await stop.wait()
+        await server.stop(grace, drain=drain, on_stop=on_stop)
+    finally:
+        for sig in signals:
+            loop.remove_signal_handler(sig)

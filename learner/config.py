@@ -3,19 +3,25 @@
 Each section lives next to its component (data.py, rollout.py, actor_config.py); the trainer section is here because
 it belongs to the loop, and loop.py imports torch while the config must validate before torch is imported
 (`dgrpo learner --help` and config errors answer in about a second). Checks that need the sampler section as well
-(prompt + response must fit the sampler's context) are in cli/stack.py's `_cross_checks`.
+(prompt + response must fit the sampler's context) are in cli/stack.py's `StackConfig.check_whole_stack`.
+
+`LearnerRunConfig` is what one learner process is handed: its own section and the shared ones it reads, cut from the
+stack config by `dgrpo` (cli/), which the learner cannot import (services depend on common code only).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
+import yaml
 from pydantic import Field, model_validator
 
 from dgrpo.common.config import StrictConfig
+from dgrpo.common.model_config import ModelConfig
 from dgrpo.learner.actor_config import ActorConfig, AlgorithmConfig, CheckpointConfig, OptimConfig
 from dgrpo.learner.data import DataConfig
 from dgrpo.learner.rollout import RolloutConfig
+from dgrpo.weights.config import WeightSyncConfig
 
 Logger = Literal["console", "jsonl", "tensorboard", "wandb"]
 
@@ -76,3 +82,23 @@ class LearnerConfig(StrictConfig):
                 f"{mini} (prompts per optimizer update)"
             )
         return self
+
+
+class LearnerRunConfig(StrictConfig):
+    """Everything one learner process reads: `learner`, the shared `model` and `weights`, where the samplers are,
+    and the whole resolved stack config it records."""
+
+    model: ModelConfig
+    """The policy it trains and publishes (path, dtype of the published weights, device)."""
+    learner: LearnerConfig
+    """The trainer's own section."""
+    weights: WeightSyncConfig
+    """How published weights reach the samplers."""
+    sampler_addresses: list[str]
+    """`sampler.addresses`: the replicas the rollout client reaches."""
+    stack: dict[str, Any]
+    """The whole resolved stack config (JSON types), written to the run's config.yaml and given to the metrics
+    loggers, so a run records every service's settings, not only the learner's."""
+
+    def stack_yaml(self) -> str:
+        return yaml.safe_dump(self.stack, sort_keys=False)

@@ -10,9 +10,7 @@ import logging
 import math
 from dataclasses import dataclass, field
 
-import grpc
-
-from dgrpo.common.grpc_server import CHANNEL_OPTIONS, add_standard_services, set_health
+from dgrpo.common import grpc_server
 from dgrpo.v1 import learner_pb2, learner_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -56,15 +54,11 @@ class LearnerServicer(learner_pb2_grpc.LearnerServicer):
         return learner_pb2.StopResponse(stopping_after_step=self.state.step + 1)
 
 
-async def start_control_server(state: LoopState, host: str, port: int) -> tuple[grpc.aio.Server, int, object]:
-    """Serve Status/Stop with health and reflection; returns (server, bound port, health servicer)."""
-    server = grpc.aio.server(options=CHANNEL_OPTIONS)
-    learner_pb2_grpc.add_LearnerServicer_to_server(LearnerServicer(state), server)
-    health = add_standard_services(server, [SERVICE_NAME])
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise OSError(f"learner control service cannot bind {host}:{port} (learner.trainer.control_port)")
+async def start_control_server(state: LoopState, host: str, port: int) -> grpc_server.GrpcServer:
+    """Serve Status/Stop with health and reflection, SERVING at once: the loop state answers from setup on."""
+    server = grpc_server.create_server(LearnerServicer(state), learner_pb2_grpc.add_LearnerServicer_to_server,
+                                       SERVICE_NAME, host=host, port=port, config_key="learner.trainer.control_port")
     await server.start()
-    await set_health(health, [SERVICE_NAME], serving=True)
-    log.info("learner control service on %s:%d (Status, Stop; health, reflection)", host, bound)
-    return server, bound, health
+    await server.set_serving(True)
+    log.info("learner control service on %s:%d (Status, Stop; health, reflection)", host, server.port)
+    return server

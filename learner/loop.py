@@ -25,13 +25,13 @@ from pathlib import Path
 import grpc
 import torch
 
-from dgrpo.common.config import to_yaml
 from dgrpo.common.devices import detect_device
 from dgrpo.common.models import resolve_model_path
 from dgrpo.learner import checkpoint as ckpt
 from dgrpo.learner import grpo
 from dgrpo.learner.actor import Actor
 from dgrpo.learner.batch import Sequence
+from dgrpo.learner.config import LearnerRunConfig
 from dgrpo.learner.control import LoopState, start_control_server
 from dgrpo.learner.data import PromptRecord, PromptStream, load_prompts
 from dgrpo.learner.distributed import DistContext, broadcast_object, init_distributed
@@ -58,8 +58,7 @@ class ScoredGroup:
 
 
 class Trainer:
-    def __init__(self, cfg):
-        """`cfg`: the StackConfig (model, learner, sampler addresses, weights)."""
+    def __init__(self, cfg: LearnerRunConfig):
         self.cfg, self.lc = cfg, cfg.learner
         self.state = LoopState()
         self.step_num = 0
@@ -112,8 +111,8 @@ class Trainer:
         self.publisher = WeightPublisher(self.cfg.weights, lc.trainer.run_name, dtype=self.cfg.model.dtype)
         self.out_dir = Path(lc.trainer.log_dir) / lc.trainer.run_name
         self.metrics = MetricsLogger(lc.trainer.loggers, self.out_dir, lc.trainer.run_name,
-                                     self.cfg.model_dump(mode="json"), lc.trainer.wandb_project)
-        (self.out_dir / "config.yaml").write_text(to_yaml(self.cfg))
+                                     self.cfg.stack, lc.trainer.wandb_project)
+        (self.out_dir / "config.yaml").write_text(self.cfg.stack_yaml())
         log.info("%d training prompts (%d dropped, %d truncated as overlong), %d validation prompts; %d steps",
                  self.data_stats.kept, self.data_stats.dropped_overlong, self.data_stats.truncated_overlong,
                  len(self.val_records), self.total_steps)
@@ -121,13 +120,12 @@ class Trainer:
     async def _start_clients(self) -> None:
         """gRPC clients live on the running event loop, so they are created inside it."""
         lc = self.lc
-        self.rollout = RolloutClient(self.cfg.sampler.addresses, lc.rollout)
+        self.rollout = RolloutClient(self.cfg.sampler_addresses, lc.rollout)
         self.rewarder = RewardClient(lc.rollout.rewarder_address, timeout_s=lc.rollout.reward_timeout_s,
                                      retry_backoff_s=lc.rollout.retry_backoff_s)
         self.control = None
         if lc.trainer.control_port is not None:
-            self.control, self.control_port, _ = await start_control_server(
-                self.state, lc.trainer.control_host, lc.trainer.control_port)
+            self.control = await start_control_server(self.state, lc.trainer.control_host, lc.trainer.control_port)
 
     # ---- the loop ------------------------------------------------------------------------------------
 

@@ -13,11 +13,12 @@ import sys
 
 from dgrpo.common.config import ConfigError
 from dgrpo.common.logs import setup_logging
+from dgrpo.learner.config import LearnerRunConfig
 from dgrpo.learner.data import check_files
 
 
-def main(cfg) -> int:
-    """Run GRPO training for the StackConfig `cfg`; returns the exit code."""
+def main(cfg: LearnerRunConfig) -> int:
+    """Run GRPO training; returns the exit code."""
     log = setup_logging("learner")
     try:
         check_files(cfg.learner.data)  # before torch is imported: a typo in a path fails in a second

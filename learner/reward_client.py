@@ -9,7 +9,6 @@ run with the rewarder's message: retrying the same input cannot help.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import time
@@ -20,6 +19,7 @@ from typing import Any
 import grpc
 from google.protobuf import struct_pb2
 
+from dgrpo.common.retry import Backoff
 from dgrpo.learner.rollout import CLIENT_OPTIONS
 from dgrpo.v1 import rewarder_pb2, rewarder_pb2_grpc
 
@@ -90,7 +90,7 @@ class RewardClient:
     async def score(self, group: rewarder_pb2.ScoreGroup) -> GroupReward:
         """Score one group; retried until `timeout_s` while the rewarder is away."""
         deadline = time.monotonic() + self.timeout_s
-        delay, retries = self.retry_backoff_s, 0
+        backoff, retries = Backoff(self.retry_backoff_s, self.max_backoff_s), 0
         request = rewarder_pb2.ScoreRequest(groups=[group], group_size=len(group.completions))
         while True:
             remaining = deadline - time.monotonic()
@@ -109,9 +109,8 @@ class RewardClient:
                                       f"{e.code().name}: {e.details()}") from None
                 retries += 1
                 log.warning("rewarder %s: %s (%s); retrying group %r in %.1fs", self.address, e.code().name,
-                            e.details(), group.prompt_id, delay)
-                await asyncio.sleep(min(delay, max(deadline - time.monotonic(), 0)))
-                delay = min(delay * 2, self.max_backoff_s)
+                            e.details(), group.prompt_id, backoff.delay)
+                await backoff.wait(limit=deadline - time.monotonic())
         return self._to_reward(group, response, retries)
 
     @staticmethod

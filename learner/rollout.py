@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import random
 import socket
 import time
 from collections import Counter
@@ -30,6 +29,7 @@ from pydantic import Field
 
 from dgrpo.common.config import StrictConfig
 from dgrpo.common.grpc_server import CHANNEL_OPTIONS
+from dgrpo.common.retry import Backoff
 from dgrpo.v1 import sampler_pb2, sampler_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -157,15 +157,14 @@ class RolloutClient:
     async def replicas(self) -> list[str]:
         """Current replica addresses; waits (with backoff) while a DNS name resolves to nothing yet."""
         deadline = time.monotonic() + self.cfg.step_timeout_s
-        delay = self.cfg.retry_backoff_s
+        backoff = Backoff(self.cfg.retry_backoff_s, self.cfg.max_backoff_s)
         while True:
             found = await asyncio.to_thread(resolve_addresses, self.addresses)
             if found:
                 return found
-            if time.monotonic() + delay > deadline:
+            if time.monotonic() + backoff.delay > deadline:
                 raise RolloutError(f"no sampler replica found at {self.addresses}")
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, self.cfg.max_backoff_s)
+            await backoff.wait()
 
     async def info(self, address: str, timeout: float = 10.0) -> sampler_pb2.SamplerInfo:
         return await self._stub(address).Info(sampler_pb2.InfoRequest(), timeout=timeout)
@@ -217,7 +216,8 @@ class RolloutClient:
     async def _worker(self, address, queue, pending, out, sampling, min_weight_version, stats) -> None:
         """One replica's loop: take a chunk, stream its groups, put unfinished prompts back on failure."""
         stub = self._stub(address)
-        delay = self.cfg.retry_backoff_s
+        # Jitter keeps replicas that failed together from retrying in lockstep.
+        backoff = Backoff(self.cfg.retry_backoff_s, self.cfg.max_backoff_s, jitter=0.1)
         while True:
             chunk = [pid for pid in await queue.get() if pid in pending]
             if not chunk:
@@ -248,16 +248,15 @@ class RolloutClient:
                 missing = [pid for pid in chunk if pid in pending]
                 if missing:
                     raise _StreamEnded(f"stream ended with {len(missing)} groups missing")
-                delay = self.cfg.retry_backoff_s
+                backoff.reset()
             except grpc.aio.AioRpcError as e:
                 if e.code() in FATAL_CODES:
                     out.put_nowait(RolloutError(f"replica {address} rejected the request: {e.code().name}: "
                                                 f"{e.details()}"))
                     return
-                delay = await self._requeue(address, chunk, pending, queue, stats, delay, f"{e.code().name}: "
-                                            f"{e.details()}")
+                await self._requeue(address, chunk, pending, queue, stats, backoff, f"{e.code().name}: {e.details()}")
             except _StreamEnded as e:
-                delay = await self._requeue(address, chunk, pending, queue, stats, delay, str(e))
+                await self._requeue(address, chunk, pending, queue, stats, backoff, str(e))
             except Exception as e:  # noqa: BLE001 (anything else is a bug: surface it rather than hang the step)
                 out.put_nowait(e)
                 return
@@ -265,17 +264,15 @@ class RolloutClient:
                 # A worker cancelled mid-stream (the step is over or failed) aborts its engine requests.
                 call.cancel()
 
-    async def _requeue(self, address, chunk, pending, queue, stats, delay, why) -> float:
+    async def _requeue(self, address, chunk, pending, queue, stats, backoff: Backoff, why) -> None:
         missing = [pid for pid in chunk if pid in pending]
         stats.failed_calls += 1
         stats.retried_prompts += len(missing)
         if missing:
             queue.put_nowait(missing)
         log.warning("sampler %s failed (%s); %d prompts go back to the queue, retrying this replica in %.1fs",
-                    address, why, len(missing), delay)
-        # Jitter keeps replicas that failed together from retrying in lockstep.
-        await asyncio.sleep(delay * (1 + 0.1 * random.random()))
-        return min(delay * 2, self.cfg.max_backoff_s)
+                    address, why, len(missing), backoff.delay)
+        await backoff.wait()
 
     async def close(self) -> None:
         for channel in self._channels.values():

@@ -19,6 +19,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 
+from dgrpo.common.retry import Backoff
 from dgrpo.rewarder.spec import SpecError, SpecSnapshot
 
 log = logging.getLogger("dgrpo.rewarder.pool")
@@ -184,7 +185,7 @@ class WorkerPool:
 
     async def _respawn(self) -> None:
         loop = asyncio.get_running_loop()
-        delay = 1.0
+        backoff = Backoff(initial=1.0, cap=30.0)
         while not self._closed:
             started = time.monotonic()
             try:
@@ -192,9 +193,8 @@ class WorkerPool:
                     self._executor, _Worker.spawn, self.snap, self.load_timeout, self.size
                 )
             except SpecError as e:
-                log.error("could not replace a reward worker (retrying in %.0fs): %s", delay, e)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 30.0)
+                log.error("could not replace a reward worker (retrying in %.0fs): %s", backoff.delay, e)
+                await backoff.wait()
                 continue
             if self._closed:
                 await loop.run_in_executor(self._executor, worker.stop)

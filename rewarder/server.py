@@ -12,7 +12,7 @@ import signal
 
 import grpc
 
-from dgrpo.common.grpc_server import CHANNEL_OPTIONS, add_standard_services, serve_until_signal, set_health
+from dgrpo.common import grpc_server
 from dgrpo.common.logs import setup_logging
 from dgrpo.rewarder import convert, metrics
 from dgrpo.rewarder.config import RewarderConfig
@@ -64,16 +64,14 @@ class RewarderServicer(rewarder_pb2_grpc.RewarderServicer):
         )
 
 
-def create_server(config: RewarderConfig) -> tuple[grpc.aio.Server, int, object, Scorer]:
-    """(server, bound port, health servicer, scorer); health starts NOT_SERVING until `serve` has loaded the spec."""
-    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+def create_server(config: RewarderConfig) -> tuple[grpc_server.GrpcServer, Scorer]:
+    """The bound server (health NOT_SERVING from `start()` until `serve` has loaded the spec) and its scorer."""
     scorer = Scorer(config)
-    rewarder_pb2_grpc.add_RewarderServicer_to_server(RewarderServicer(scorer), server)
-    health = add_standard_services(server, [SERVICE_NAME])
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
-    if port == 0:
-        raise RuntimeError(f"cannot bind rewarder.host:port = {config.host}:{config.port}")
-    return server, port, health, scorer
+    server = grpc_server.create_server(
+        RewarderServicer(scorer), rewarder_pb2_grpc.add_RewarderServicer_to_server, SERVICE_NAME,
+        host=config.host, port=config.port, config_key="rewarder.port",
+    )
+    return server, scorer
 
 
 async def _reload_on_sighup(scorer: Scorer) -> None:
@@ -85,10 +83,9 @@ async def _reload_on_sighup(scorer: Scorer) -> None:
 
 
 async def serve(config: RewarderConfig) -> int:
-    server, port, health, scorer = create_server(config)
-    await set_health(health, [SERVICE_NAME], serving=False)
+    server, scorer = create_server(config)
     await server.start()
-    log.info("rewarder listening on %s:%d, loading the reward spec into %d workers", config.host, port,
+    log.info("rewarder listening on %s:%d, loading the reward spec into %d workers", config.host, server.port,
              config.workers)
     if config.metrics_port is not None:
         metrics.serve(config.metrics_port)
@@ -102,17 +99,16 @@ async def serve(config: RewarderConfig) -> int:
         log.error("the reward spec does not load: %s", e)
         await server.stop(0)
         return 1
-    await set_health(health, [SERVICE_NAME], serving=True)
-    log.info("rewarder SERVING on port %d", port)
-    await serve_until_signal(
-        server, health, [SERVICE_NAME], grace=config.grace_s,
-        on_signal=lambda: scorer.drain(config.grace_s), on_stop=scorer.close,
+    await server.set_serving(True)
+    log.info("rewarder SERVING on port %d", server.port)
+    await grpc_server.serve_until_signal(
+        server, grace=config.grace_s, drain=lambda: scorer.drain(config.grace_s), on_stop=scorer.close,
     )
     log.info("rewarder stopped")
     return 0
 
 
-def main(cfg) -> int:
-    """`dgrpo rewarder`: cfg is the StackConfig; this service reads only its `rewarder` section."""
+def main(config: RewarderConfig) -> int:
+    """`dgrpo rewarder`: serve the `rewarder` section until SIGTERM."""
     setup_logging("rewarder")
-    return asyncio.run(serve(cfg.rewarder))
+    return asyncio.run(serve(config))

@@ -12,10 +12,16 @@ import logging
 import os
 import signal
 import socket
+from typing import TYPE_CHECKING
 
-from dgrpo.common import devices
-from dgrpo.common.grpc_server import CHANNEL_OPTIONS, add_standard_services, serve_until_signal, set_health
+from dgrpo.common import devices, grpc_server
 from dgrpo.common.logs import setup_logging
+from dgrpo.common.model_config import ModelConfig
+from dgrpo.sampler.config import SamplerConfig
+from dgrpo.weights.config import WeightSyncConfig
+
+if TYPE_CHECKING:
+    from dgrpo.sampler.servicer import SamplerServicer
 
 SERVICE_NAME = "dgrpo.v1.Sampler"
 log = logging.getLogger("dgrpo.sampler")
@@ -34,52 +40,55 @@ async def _watch(engine, metrics, period_s: float = 1.0) -> None:
         await asyncio.sleep(period_s)
 
 
-async def serve(cfg) -> int:
-    """Run one replica until SIGTERM/SIGINT (cfg: the StackConfig)."""
-    import grpc
-
-    from dgrpo.common.models import resolve_model_path
-    from dgrpo.sampler.engine import SamplerEngine
-    from dgrpo.sampler.metrics import SamplerMetrics
+def create_server(config: SamplerConfig) -> tuple[grpc_server.GrpcServer, SamplerServicer]:
+    """The bound server and its servicer; the engine is attached to the servicer once it is built (handlers must
+    be registered before the server starts, and health answers NOT_SERVING meanwhile)."""
     from dgrpo.sampler.servicer import SamplerServicer
     from dgrpo.v1 import sampler_pb2_grpc
 
-    scfg = cfg.sampler
-    device = devices.detect_device(cfg.model.device)
-    model_path = str(resolve_model_path(cfg.model.path))
+    servicer = SamplerServicer()
+    server = grpc_server.create_server(servicer, sampler_pb2_grpc.add_SamplerServicer_to_server, SERVICE_NAME,
+                                       host=config.host, port=config.port, config_key="sampler.port")
+    return server, servicer
 
-    server = grpc.aio.server(options=CHANNEL_OPTIONS)
-    servicer = SamplerServicer()  # handlers must be registered before start; the engine is attached below
-    sampler_pb2_grpc.add_SamplerServicer_to_server(servicer, server)
-    health = add_standard_services(server, [SERVICE_NAME])
-    await set_health(health, [SERVICE_NAME], serving=False)
-    port = server.add_insecure_port(f"{scfg.host}:{scfg.port}")
+
+async def serve(model: ModelConfig, sampler: SamplerConfig, weights: WeightSyncConfig) -> int:
+    """Run one replica until SIGTERM/SIGINT."""
+    from dgrpo.common.models import resolve_model_path
+    from dgrpo.sampler.engine import SamplerEngine
+    from dgrpo.sampler.metrics import SamplerMetrics
+
+    device = devices.detect_device(model.device)
+    model_path = str(resolve_model_path(model.path))
+
+    server, servicer = create_server(sampler)
     await server.start()  # health answers NOT_SERVING while the engine loads
-    replica_id = scfg.replica_id or f"{socket.gethostname()}:{port}"
+    port = server.port
+    replica_id = sampler.replica_id or f"{socket.gethostname()}:{port}"
     log.info("loading %s on %s (replica %s, port %d)", model_path, device, replica_id, port)
 
-    engine = SamplerEngine.create(cfg.model, scfg, model_path, device)
+    engine = SamplerEngine.create(model, sampler, model_path, device)
     metrics = SamplerMetrics(replica_id)
     servicer.attach(engine, replica_id, metrics)
 
     loader = None
-    if getattr(cfg.weights, "enabled", False):
+    if weights.enabled:
         from dgrpo.sampler.weight_loader import WeightLoader
 
-        loader = WeightLoader(engine, cfg.weights, model_path)
+        loader = WeightLoader(engine, weights, model_path)
         await loader.start()  # a late replica catches up on the latest version before it serves
 
-    if scfg.metrics_port is not None:
-        log.info("metrics on http://0.0.0.0:%d/metrics", metrics.serve(scfg.metrics_port))
+    if sampler.metrics_port is not None:
+        log.info("metrics on http://0.0.0.0:%d/metrics", metrics.serve(sampler.metrics_port))
     gauges = asyncio.create_task(_watch(engine, metrics))
 
-    await set_health(health, [SERVICE_NAME], serving=True)
+    await server.set_serving(True)
     log.info("sampler %s serving on port %d (weight version %d)", replica_id, port, engine.weight_version)
     print(f"DGRPO_READY sampler port={port}", flush=True)
 
     async def drain() -> None:
-        log.info("SIGTERM: draining %d in-flight groups (grace %.0fs)", engine.in_flight, scfg.shutdown_grace_s)
-        await engine.drain(scfg.shutdown_grace_s)
+        log.info("SIGTERM: draining %d in-flight groups (grace %.0fs)", engine.in_flight, sampler.shutdown_grace_s)
+        await engine.drain(sampler.shutdown_grace_s)
 
     died = False
 
@@ -92,17 +101,18 @@ async def serve(cfg) -> int:
         engine.shutdown()
         log.info("sampler stopped")
 
-    await serve_until_signal(server, health, [SERVICE_NAME], grace=1.0, on_signal=drain, on_stop=shutdown)
+    await grpc_server.serve_until_signal(server, grace=1.0, drain=drain, on_stop=shutdown)
     return 1 if died else 0
 
 
-def main(cfg) -> int:
+def main(model: ModelConfig, sampler: SamplerConfig, weights: WeightSyncConfig) -> int:
+    """`dgrpo sampler`: the device environment first (vLLM reads it at import), then serve."""
     setup_logging("sampler")
-    device = devices.detect_device(cfg.model.device)
+    device = devices.detect_device(model.device)
     env = devices.sampler_env(device)
-    if device == "cpu" and cfg.sampler.kv_cache_space_gib is not None:
-        env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.sampler.kv_cache_space_gib)
+    if device == "cpu" and sampler.kv_cache_space_gib is not None:
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(sampler.kv_cache_space_gib)
     if device == "cpu":
-        env.update(devices.cpu_thread_binding(cfg.sampler.cpu_cores))
+        env.update(devices.cpu_thread_binding(sampler.cpu_cores))
     os.environ.update(env)  # before vLLM is imported
-    return asyncio.run(serve(cfg))
+    return asyncio.run(serve(model, sampler, weights))
