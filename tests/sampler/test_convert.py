@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from dgrpo.sampler.convert import group_from_pb, group_to_pb, prompt_from_pb, sampling_from_pb, sampling_to_pb
 from dgrpo.sampler.engine import CompletionResult, GroupResult, SamplingRequest
 from dgrpo.v1 import sampler_pb2 as pb
@@ -16,9 +18,17 @@ def test_group_round_trip():
 
 
 def test_sampling_round_trip_and_defaults_for_unset_fields():
-    s = SamplingRequest(n=4, temperature=0.0, top_p=0.75, top_k=20, min_p=0.125,  # float32-exact values max_tokens=64, stop=["\n\n"],
+    # float32-exact values, each unlike its default: a field the conversion drops comes back as the default
+    s = SamplingRequest(n=4, temperature=0.0, top_p=0.75, top_k=20, min_p=0.125, max_tokens=64, stop=["\n\n"],
                         stop_token_ids=[2], seed=7)
-    assert sampling_from_pb(sampling_to_pb(s)) == s
+    default = SamplingRequest()
+    assert [f.name for f in dataclasses.fields(s) if getattr(s, f.name) == getattr(default, f.name)] == []
+    # the proto and the domain type name the same fields, and the conversion writes every one of them
+    proto_fields = sorted(f.name for f in pb.SamplingParams.DESCRIPTOR.fields)
+    assert proto_fields == sorted(f.name for f in dataclasses.fields(SamplingRequest))
+    msg = sampling_to_pb(s)
+    assert sorted(f.name for f, _ in msg.ListFields()) == proto_fields
+    assert sampling_from_pb(msg) == s
     unset = sampling_from_pb(pb.SamplingParams(n=2, max_tokens=8))
     assert (unset.temperature, unset.top_p, unset.top_k, unset.min_p, unset.seed) == (1.0, 1.0, 0, 0.0, None)
     # temperature 0 (greedy) survives: it is not confused with "unset"
