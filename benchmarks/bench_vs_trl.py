@@ -15,8 +15,9 @@ fp32 sampler.
 
 TRL runs in its own virtual environment (benchmarks/.venv-trl from benchmarks/requirements-trl.txt, created on
 first use), so TRL's pins never touch dgrpo's environment: this file re-runs itself there as `_trl_worker` and
-never imports dgrpo on that side. Anchor (design.md): TRL 1.16 here, 8 prompts x 4 completions, 64 max tokens:
-about 60 s per step. Goal (issue 6): dgrpo >= 3x TRL's step throughput with a reward curve no worse.
+never imports dgrpo on that side. Anchor: TRL 1.16 measured on this machine before this script, 8 prompts x 4
+completions, 64 max tokens: about 60 s per step (this script's own runs: docs/bench_vs_trl.md). Goal (issue 6):
+dgrpo >= 3x TRL's step throughput with a reward curve no worse.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 TRL_VENV = HERE / ".venv-trl"
 TRL_REQUIREMENTS = HERE / "requirements-trl.txt"
-ANCHOR_TRL_S_PER_STEP = 60.0  # design.md: TRL 1.16 on this machine, 8 prompts x 4 completions, 64 tokens
+ANCHOR_TRL_S_PER_STEP = 60.0  # TRL 1.16 measured on this machine, 8 prompts x 4 completions, 64 tokens
 MICRO_BATCH = 8  # TRL: sequences per forward/backward (dgrpo packs a token budget of about the same size)
 
 
@@ -284,7 +285,7 @@ def report(settings: Settings, results: list[SideResult]) -> None:
         print(f"  length:     mean {s['length_mean']:.1f} tokens per completion")
     trl = next((r for r in results if r.name.startswith("TRL")), None)
     if trl is not None:
-        print(f"TRL s/step vs design.md anchor ({ANCHOR_TRL_S_PER_STEP:.0f} s): "
+        print(f"TRL s/step vs the earlier measured anchor ({ANCHOR_TRL_S_PER_STEP:.0f} s): "
               f"{trl.summary()['s_per_step_median'] / ANCHOR_TRL_S_PER_STEP:.2f}x")
     dg = next((r for r in results if r.name.startswith("dgrpo")), None)
     if trl is not None and dg is not None:

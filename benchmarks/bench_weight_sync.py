@@ -155,7 +155,8 @@ def main() -> None:
               f"= {parts['total_s']:.3f} after announce")
     print(f"  END TO END publish -> every replica serving   {e2e:.3f}   (target < 0.3)   "
           f"{nbytes / e2e / 1e9:.2f} GB/s effective")
-    print("\nanchors, measured now (design.md: memcpy 13-16 GB/s, vLLM reload_weights from /dev/shm 0.27 s):")
+    print("\nanchors, measured now (quiet-machine figures in docs/weight_sync.md: memcpy 13-16 GB/s, "
+          "vLLM reload_weights from /dev/shm 0.27 s):")
     print(f"  memcpy {bandwidth:.1f} GB/s -> one copy of {nbytes / 1e6:.0f} MB = {nbytes / bandwidth / 1e9:.3f} s; "
           f"end to end = {e2e / (nbytes / bandwidth / 1e9):.1f}x one memcpy")
     print(f"  vLLM reload_weights from a safetensors folder in /dev/shm: {reload_s:.3f} s (one replica); "

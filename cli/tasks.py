@@ -21,7 +21,7 @@ i.e. no GRPO signal):
 | sub_word (word problem, a - b) | 11% | 62% | 0% | 44 |
 | add3 (a + b + c) | 4% | 83% | 0% | 38 |
 
-Without the format hint (design.md) single-digit a + b was 20% correct; other phrasings measured while choosing:
+Without the format hint (`INSTRUCTION`) single-digit a + b was 20% correct; other phrasings measured while choosing:
 "What is a - b?" (a <= 18) 12%, a + b with a, b <= 12 26%, "What is the sum of a and b?" 15%. The word
 problems and two-digit sums start too low (most groups flat, little signal); single-digit a + b and a × b sit in the
 20-40% band with two thirds of the groups carrying signal, so the demo mixes the two (`arith`, measured on its

@@ -57,7 +57,7 @@ def test_malformed_override_and_missing_file(tmp_path):
 
 
 def test_every_option_is_documented():
-    """A docstring under every field: --help and docs/configuration.md come from them."""
+    """A docstring under every field: each command's --help lists the options with them (common.config.describe)."""
     lines = describe(StackConfig)
     undocumented = [line for line in lines if line.startswith("  ") and line.rstrip().endswith(":")]
     assert not undocumented, undocumented
