@@ -13,10 +13,10 @@ from collections.abc import Callable
 
 from dgrpo.rewarder.config import (
     ExactMatchFunction,
+    LengthAndReferenceFunction,
     LengthFunction,
     MathVerifyFunction,
     RegexFormatFunction,
-    SeedRuleFunction,
 )
 
 RewardFn = Callable[..., list]
@@ -157,11 +157,13 @@ def length_reward(cfg: LengthFunction) -> RewardFn:
     return length
 
 
-def seed_rule_reward(cfg: SeedRuleFunction) -> RewardFn:
-    """Seed 004's reward, per completion. (The seed's own code does `golden in completion` with TRL's per-completion
-    list as `golden`, which raises TypeError; this is what it meant.)"""
+def length_and_reference_reward(cfg: LengthAndReferenceFunction) -> RewardFn:
+    """+0.5 for 10 <= characters <= 200, +0.5 when the reference text is a substring of the completion.
 
-    def seed_rule(prompts, completions, **kwargs) -> list[float | None]:
+    Per completion: the reference column holds one value per completion (TRL's convention), so each completion is
+    tested against its own reference, never against the whole column."""
+
+    def length_and_reference(prompts, completions, **kwargs) -> list[float | None]:
         refs = _reference_column(kwargs, cfg.field, len(completions))
         out = []
         for completion, ref in zip(completions, refs):
@@ -175,7 +177,7 @@ def seed_rule_reward(cfg: SeedRuleFunction) -> RewardFn:
             out.append(score)
         return out
 
-    return seed_rule
+    return length_and_reference
 
 
 BUILTINS: dict[str, Callable[..., RewardFn]] = {
@@ -183,7 +185,7 @@ BUILTINS: dict[str, Callable[..., RewardFn]] = {
     "exact_match": exact_match_reward,
     "regex_format": regex_format_reward,
     "length": length_reward,
-    "seed_rule": seed_rule_reward,
+    "length_and_reference": length_and_reference_reward,
 }
 
 

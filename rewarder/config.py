@@ -6,9 +6,10 @@ SIGHUP validate a new one with these same models, so a reloaded spec fails exact
 
 from __future__ import annotations
 
+import warnings
 from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from dgrpo.common.config import StrictConfig
 
@@ -87,11 +88,11 @@ class LengthFunction(_FunctionBase):
         return self
 
 
-class SeedRuleFunction(_FunctionBase):
-    """The rule reward of the seed document (004): +0.5 when 10 <= characters <= 200, +0.5 when the reference
-    answer appears in the completion."""
+class LengthAndReferenceFunction(_FunctionBase):
+    """+0.5 when the completion has 10 to 200 characters, plus +0.5 when the reference answer appears in it
+    (a substring test, so 0, 0.5 or 1). Formerly `seed_rule`, still accepted with a FutureWarning."""
 
-    type: Literal["seed_rule"]
+    type: Literal["length_and_reference"]
     field: str = "answer"
     """Extra column holding the reference answer."""
 
@@ -127,8 +128,11 @@ class ModelFunction(_FunctionBase):
     """Weight dtype; auto keeps float32 on the CPU and uses bfloat16 on accelerators."""
 
 
+RENAMED_TYPES = {"seed_rule": "length_and_reference"}
+"""Deprecated reward function type -> its current name."""
+
 RewardFunctionConfig = Annotated[
-    MathVerifyFunction | ExactMatchFunction | RegexFormatFunction | LengthFunction | SeedRuleFunction
+    MathVerifyFunction | ExactMatchFunction | RegexFormatFunction | LengthFunction | LengthAndReferenceFunction
     | FileFunction | ModelFunction,
     Field(discriminator="type"),
 ]
@@ -142,8 +146,26 @@ class RewardSpec(StrictConfig):
     functions: list[RewardFunctionConfig] = Field(
         default_factory=lambda: [MathVerifyFunction(type="math_verify")], min_length=1
     )
-    """Reward functions; each entry has a `type`: math_verify, exact_match, regex_format, length, seed_rule,
-    file or model, plus name / weight / timeout_s and the type's options (docs/rewarder.md)."""
+    """Reward functions; each entry has a `type`: math_verify, exact_match, regex_format, length,
+    length_and_reference, file or model, plus name / weight / timeout_s and the type's options (docs/rewarder.md)."""
+
+    @field_validator("functions", mode="before")
+    @classmethod
+    def _renamed_types(cls, functions: object) -> object:
+        """Old type names still load, with a warning; an unnamed entry keeps its old breakdown key (its old type)."""
+        if not isinstance(functions, list):
+            return functions  # the field's own validation reports it
+        out = []
+        for f in functions:
+            old = f.get("type") if isinstance(f, dict) else None
+            if old in RENAMED_TYPES:
+                new = RENAMED_TYPES[old]
+                # FutureWarning, not DeprecationWarning: Python hides the latter outside __main__, and the user
+                # who wrote the spec is the one to tell.
+                warnings.warn(f"reward function type {old!r} is deprecated; use {new!r} (same reward)", FutureWarning)
+                f = {"name": old, **f, "type": new}
+            out.append(f)
+        return out
 
     @model_validator(mode="after")
     def _unique_names(self) -> RewardSpec:

@@ -15,7 +15,8 @@ def _text(completion):
 
 
 def reward_func(prompts, completions, answer, **kwargs):
-    """Seed 004's rule reward, per completion: +0.5 for 10..200 characters, +0.5 when the answer appears."""
+    """The built-in `length_and_reference` as a TRL function: +0.5 for 10..200 characters, +0.5 when the answer
+    appears in the completion."""
     rewards = []
     for completion, golden in zip(completions, answer):
         text = _text(completion)

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from dgrpo.rewarder.builtins import build_builtin
-from dgrpo.rewarder.config import RewardSpec
+from dgrpo.rewarder.config import RewardSpec, function_name
 from dgrpo.rewarder.convert import groups_from_proto, groups_to_proto
 from dgrpo.rewarder.reward_model import pack_by_budget
 from dgrpo.rewarder.scorer import GroupInput
@@ -73,11 +73,23 @@ def test_length_bounds_and_penalty():
         fn(type="length", min_length=5, max_length=1)
 
 
-def test_seed_rule_matches_the_seed_document():
-    f = fn(type="seed_rule")
+def test_length_and_reference():
+    f = fn(type="length_and_reference")
     completions = ["需要3小时。因为360除以120等于3。", "太短", "答案是 24平方米" + "。" * 300, "x" * 12]
     answers = ["3小时", "3小时", "24平方米", "24平方米"]
+    # both halves, neither, the reference in an over-long completion, the right length without the reference
     assert f([None] * 4, completions, answer=answers) == [1.0, 0.0, 0.5, 0.5]
+    # the length window is inclusive at 10 and 200 characters
+    assert f([None] * 4, ["x" * 9, "x" * 10, "x" * 200, "x" * 201], answer=["y"] * 4) == [0.0, 0.5, 0.5, 0.0]
+
+
+def test_seed_rule_is_a_deprecated_alias_that_keeps_its_breakdown_name():
+    with pytest.warns(FutureWarning, match="'seed_rule' is deprecated; use 'length_and_reference'"):
+        spec = RewardSpec.model_validate({"functions": [{"type": "seed_rule"}, {"type": "seed_rule", "name": "r2"}]})
+    assert [f.type for f in spec.functions] == ["length_and_reference"] * 2
+    assert [function_name(f) for f in spec.functions] == ["seed_rule", "r2"]
+    f = build_builtin(spec.functions[0])
+    assert f([None] * 2, ["answer: 3 hours", "no"], answer=["3", "3"]) == [1.0, 0.0]
 
 
 def test_check_values():
