@@ -36,7 +36,8 @@ def groups_from_proto(request: pb.ScoreRequest) -> list[GroupInput]:
 
 
 def groups_to_proto(groups: list[GroupInput], group_size: int = 0) -> pb.ScoreRequest:
-    """The client side of the same mapping (tests, benchmarks, and an example for the learner)."""
+    """The client side of the same mapping, for the tests (round trip, requests to a real server). The learner
+    builds its own requests (learner/reward_client.py): services never import each other."""
     request = pb.ScoreRequest(group_size=group_size)
     for g in groups:
         msg = request.groups.add(prompt_id=g.prompt_id, completions=g.completions)
@@ -53,10 +54,6 @@ def spec_ref_to_proto(ref: SpecRef | None) -> pb.RewardSpecRef:
     if ref is None:
         return pb.RewardSpecRef()
     return pb.RewardSpecRef(name=ref.name, version=ref.version, content_hash=ref.content_hash)
-
-
-def spec_ref_from_proto(msg: pb.RewardSpecRef) -> SpecRef:
-    return SpecRef(msg.name, msg.version, msg.content_hash)
 
 
 def score_response(result: ScoreResult, prompt_ids: list[str]) -> pb.ScoreResponse:
