@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 from support import wait_serving
 
-from dgrpo.common.grpc_server import BindError, GrpcServer, create_server, serve_until_signal
+from dgrpo.common.grpc_server import BindError, GrpcServer, create_server
 from dgrpo.learner.control import SERVICE_NAME, LearnerServicer, LoopState
 from dgrpo.v1 import learner_pb2, learner_pb2_grpc
 
