@@ -20,7 +20,6 @@ from dgrpo.sampler.config import SamplerConfig
 
 log = logging.getLogger(__name__)
 
-WORKER_EXTENSION = "dgrpo.sampler.worker_extension.DgrpoWorkerExtension"
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -128,6 +127,9 @@ class SamplerEngine:
     def create(cls, model_cfg: ModelConfig, cfg: SamplerConfig, model_path: str, device: str) -> SamplerEngine:
         """Build AsyncLLM from our config (vLLM must be importable; env defaults already applied)."""
         from vllm import AsyncEngineArgs
+        from vllm.config.weight_transfer import WeightTransferConfig
+
+        from dgrpo.sampler.vllm_transfer import BACKEND
         from vllm.v1.engine.async_llm import AsyncLLM
         from vllm.v1.metrics.loggers import StatLoggerBase
 
@@ -158,14 +160,15 @@ class SamplerEngine:
             enforce_eager=cfg.enforce_eager,
             seed=cfg.seed,
             logprobs_mode=cfg.logprobs_mode,
-            worker_extension_cls=WORKER_EXTENSION,
+            # Weight updates go through vLLM's own weight-transfer contract with our shared-memory engine.
+            weight_transfer_config=WeightTransferConfig(backend=BACKEND),
             disable_log_stats=False,
             **({"attention_backend": cfg.attention_backend} if cfg.attention_backend else {}),
         )
         llm = AsyncLLM.from_engine_args(args, stat_loggers=[_LoadTracker])
         return cls(llm, model_cfg, cfg, model_path, device, load)
 
-    # --- weight versions (advanced by dgrpo.sampler.weight_loader) ---
+    # --- weight versions (advanced by dgrpo.sampler.weight_target) ---
 
     @property
     def weight_version(self) -> int:

@@ -27,14 +27,16 @@ SERVICE_NAME = "dgrpo.v1.Sampler"
 log = logging.getLogger("dgrpo.sampler")
 
 
-async def _watch(engine, metrics, period_s: float = 1.0) -> None:
-    """Refresh gauges; if the engine process died, exit via SIGTERM so a supervisor restarts the replica."""
+async def _watch(engine, metrics, subscriber, period_s: float = 1.0) -> None:
+    """Refresh gauges; if the engine died or the weights cannot be trusted any more, exit via SIGTERM so a
+    supervisor restarts the replica (it catches up on the latest version before it serves again)."""
     while True:
         metrics.running.set(engine.unfinished_requests)
         metrics.waiting.set(engine.load.waiting)
         metrics.weight_version.set(engine.weight_version)
-        if engine.dead:
-            log.error("vLLM engine died (%s); shutting the replica down", engine.llm.dead_error)
+        broken = subscriber.failed if subscriber is not None else None
+        if engine.dead or broken is not None:
+            log.error("%s; shutting the replica down", broken or f"vLLM engine died ({engine.llm.dead_error})")
             os.kill(os.getpid(), signal.SIGTERM)
             return
         await asyncio.sleep(period_s)
@@ -71,16 +73,19 @@ async def serve(model: ModelConfig, sampler: SamplerConfig, weights: WeightSyncC
     metrics = SamplerMetrics(replica_id)
     servicer.attach(engine, replica_id, metrics)
 
-    loader = None
+    subscriber = None
     if weights.enabled:
-        from dgrpo.sampler.weight_loader import WeightLoader
+        from dgrpo.sampler.weight_target import EngineWeightTarget
+        from dgrpo.weights.subscriber import WeightSubscriber, checkpoint_shapes
 
-        loader = WeightLoader(engine, weights, model_path)
-        await loader.start()  # a late replica catches up on the latest version before it serves
+        target = EngineWeightTarget(engine, weights.pause_mode)
+        await target.start()
+        subscriber = WeightSubscriber(weights, target, checkpoint_shapes(model_path))
+        await subscriber.start()  # a late replica catches up on the latest version before it serves
 
     if sampler.metrics_port is not None:
         log.info("metrics on http://0.0.0.0:%d/metrics", metrics.serve(sampler.metrics_port))
-    gauges = asyncio.create_task(_watch(engine, metrics))
+    gauges = asyncio.create_task(_watch(engine, metrics, subscriber))
 
     await server.set_serving(True)
     log.info("sampler %s serving on port %d (weight version %d)", replica_id, port, engine.weight_version)
@@ -96,8 +101,8 @@ async def serve(model: ModelConfig, sampler: SamplerConfig, weights: WeightSyncC
         nonlocal died
         died = engine.dead  # before shutdown(): a stopped engine also reports errored
         gauges.cancel()
-        if loader is not None:
-            await loader.stop()
+        if subscriber is not None:
+            await subscriber.stop()
         engine.shutdown()
         log.info("sampler stopped")
 

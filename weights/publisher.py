@@ -7,7 +7,8 @@ Two slots: version v goes to the slot not holding v-1, so samplers still loading
 written; a sampler that lags two versions behind sees the slot's sequence lock change and rejects the torn read
 (it then loads the newest version instead). The learner never tracks replicas: announcements go out on a pyzmq
 XPUB socket (any number of subscribers), and a REP control socket answers "latest" and, for the tcp transport,
-"fetch" (the slot bytes).
+"fetch" (the slot bytes). Every message is a typed one of proto/dgrpo/v1/weights.proto (weights/protocol.py); a
+malformed request gets an error reply and the control thread goes on serving.
 
 Late joiners: PUB/SUB drops whatever was sent before a subscription reached the publisher. The XPUB socket sees
 each subscription arrive and answers it by re-sending the latest announcement (version 0 if none yet), so a new
@@ -17,7 +18,6 @@ not thread-safe: one control thread owns XPUB and REP; publish() hands announcem
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -29,13 +29,13 @@ from pathlib import Path
 import torch
 import zmq
 
+from dgrpo.weights import protocol
 from dgrpo.weights.config import WeightSyncConfig
+from dgrpo.weights.protocol import Announcement, ProtocolError
 from dgrpo.weights.shm import RUN_ID, MemorySegment, ShmSegment, owner_tag, reclaim_stale
 from dgrpo.weights.slot import SlotWriter, dtype_name
 
 log = logging.getLogger(__name__)
-
-TOPIC = b"weights"
 
 
 @dataclass
@@ -70,7 +70,7 @@ class _Slots:
             self.segments = [MemorySegment(), MemorySegment()]
         self.writers = [SlotWriter(seg.ensure) for seg in self.segments]
         self.locks = [threading.Lock(), threading.Lock()]
-        self.announced: list[dict | None] = [None, None]
+        self.announced: list[Announcement | None] = [None, None]
 
     def close(self) -> None:
         for seg in self.segments:
@@ -87,7 +87,7 @@ class WeightPublisher:
         if cfg.transport == "shm":
             reclaim_stale(cfg.shm_dir)
         self._slots = _Slots(cfg, run_id)
-        self._latest: dict | None = None
+        self._latest: Announcement | None = None
         self._ctx = zmq.Context()
         self._pub = self._ctx.socket(zmq.XPUB)
         self._pub.setsockopt(zmq.LINGER, 0)
@@ -119,32 +119,31 @@ class WeightPublisher:
         """Write `named_tensors` (HF checkpoint names) as `version` and announce it. Versions must increase."""
         if self._finalizer.alive is False:
             raise RuntimeError("publish() after close()")
-        last = self._latest["version"] if self._latest else 0
+        last = self.latest_version
         if version <= last:
             raise ValueError(f"publish(version={version}): versions must increase (last published {last})")
         t0 = time.perf_counter()
-        slot = 0 if self._latest is None else 1 - self._latest["slot"]
+        slot = 0 if self._latest is None else 1 - self._latest.slot
         with self._slots.locks[slot]:
             self._slots.announced[slot] = None
             written = self._slots.writers[slot].write(named_tensors, version, self.dtype, self.run_id)
             seg = self._slots.segments[slot]
-            announcement = {
-                "run_id": self.run_id, "version": version, "slot": slot, "seq": written["seq"],
-                "transport": self.cfg.transport, "path": str(seg.path) if isinstance(seg, ShmSegment) else None,
-                "nbytes": written["nbytes"], "manifest_xxh3": written["manifest_xxh3"],
-                "manifest": written["manifest"],
-            }
+            announcement = protocol.announcement(
+                self.run_id, version, slot=slot, seq=written.seq, transport=protocol.TRANSPORTS[self.cfg.transport],
+                segment=seg.path.name if isinstance(seg, ShmSegment) else "", nbytes=written.nbytes,
+                manifest_xxh3=written.manifest_xxh3, manifest=written.manifest,
+            )
             self._slots.announced[slot] = announcement
         t1 = time.perf_counter()
         if self._latest is None:
-            log.info("weight slots: 2 x %.1f MB (%s, %d tensors as %s)", written["nbytes"] / 1e6,
+            log.info("weight slots: 2 x %.1f MB (%s, %d tensors as %s)", written.nbytes / 1e6,
                      self.cfg.shm_dir if self.cfg.transport == "shm" else "learner memory, served over tcp",
-                     len(written["manifest"]["tensors"]), self.dtype)
+                     len(written.manifest.tensors), self.dtype)
         self._latest = announcement
         with self._announce_lock:
-            self._announce_tx.send(self._encoded(announcement))
+            self._announce_tx.send(announcement.SerializeToString())
         t2 = time.perf_counter()
-        stats = PublishStats(version, slot, written["nbytes"], len(written["manifest"]["tensors"]),
+        stats = PublishStats(version, slot, written.nbytes, len(written.manifest.tensors),
                              write_s=t1 - t0, announce_s=t2 - t1, total_s=t2 - t0)
         log.info("published weights v%d to slot %d: %.1f MB in %.3fs (%.1f GB/s)", version, slot,
                  stats.nbytes / 1e6, stats.total_s, stats.write_gbps)
@@ -152,16 +151,18 @@ class WeightPublisher:
 
     @property
     def latest_version(self) -> int:
-        return self._latest["version"] if self._latest else 0
+        return self._latest.version if self._latest else 0
+
+    @property
+    def latest(self) -> Announcement:
+        """The latest announcement (version 0 when nothing is published yet)."""
+        return self._latest if self._latest is not None else protocol.announcement(self.run_id)
 
     @property
     def segment_paths(self) -> list[Path]:
         return [s.path for s in self._slots.segments if isinstance(s, ShmSegment)]
 
     # --- control socket (own thread: zmq sockets are not shared between threads) ---
-
-    def _encoded(self, announcement: dict | None) -> bytes:
-        return json.dumps(announcement or {"run_id": self.run_id, "version": 0}, separators=(",", ":")).encode()
 
     def _serve_control(self) -> None:
         poller = zmq.Poller()
@@ -171,44 +172,48 @@ class WeightPublisher:
             try:
                 ready = dict(poller.poll(100))
                 if self._announce_rx in ready:
-                    self._pub.send_multipart([TOPIC, self._announce_rx.recv()])
+                    self._pub.send_multipart([protocol.TOPIC, self._announce_rx.recv()])
                 if self._pub in ready and self._pub.recv()[:1] == b"\x01":
                     # A subscription went live: tell (everyone, harmlessly) the latest version.
-                    self._pub.send_multipart([TOPIC, self._encoded(self._latest)])
+                    self._pub.send_multipart(protocol.encode_announcement(self.latest))
                 if self._rep in ready:
-                    self._answer(self._rep.recv())
+                    self._answer(self._rep.recv_multipart())
             except zmq.ZMQError:
                 if self._stop.is_set():
                     return
                 log.exception("weight control socket failed")
 
-    def _answer(self, raw: bytes) -> None:
+    def _answer(self, frames: list[bytes]) -> None:
+        """Exactly one reply per request (REP's contract), whatever the request holds: a peer's bad bytes must not
+        end the control thread, or no later version could be fetched or caught up on."""
         try:
-            request = json.loads(raw)
-            op = request.get("op")
-        except (ValueError, AttributeError):
-            request, op = raw[:100], None
-        if op == "latest":
-            self._rep.send(self._encoded(self._latest))
-        elif op == "fetch":
-            self._send_slot(int(request.get("version", -1)), int(request.get("slot", -1)))
-        else:
-            self._rep.send(json.dumps({"error": f"unknown request {request!r}"}).encode())
+            if len(frames) != 1:
+                raise ProtocolError(f"control request: expected 1 frame, got {len(frames)}")
+            request = protocol.decode_request(frames[0])
+            if request.WhichOneof("request") == "latest":
+                self._rep.send(protocol.latest_reply(self.latest))
+            else:
+                self._send_slot(request.fetch.version, request.fetch.slot)
+        except ProtocolError as e:
+            log.warning("weight control: refused a request: %s", e)
+            self._rep.send(protocol.error_reply(str(e)))
+        except Exception as e:  # the reply must go out, or the REP socket is stuck for good
+            log.exception("weight control: answering a request failed")
+            self._rep.send(protocol.error_reply(f"the learner failed to answer: {type(e).__name__}"))
 
     def _send_slot(self, version: int, slot: int) -> None:
+        if self.cfg.transport != "tcp":
+            raise ProtocolError("fetch is served only with weights.transport=tcp (this run shares memory)")
         if slot not in (0, 1):
-            self._rep.send(json.dumps({"error": f"slot {slot} does not exist"}).encode())
-            return
+            raise ProtocolError(f"slot {slot} does not exist")
         with self._slots.locks[slot]:
             held = self._slots.announced[slot]
-            if held is None or held["version"] != version:
-                latest = self.latest_version
-                self._rep.send(json.dumps({"error": f"version {version} is gone (latest is {latest})"}).encode())
-                return
+            if held is None or held.version != version:
+                raise ProtocolError(f"version {version} is gone (latest is {self.latest_version})")
             seg = self._slots.segments[slot]
             # copy=True: zmq owns a copy before the lock is released, so the writer may reuse the slot at once.
-            self._rep.send_multipart([json.dumps({"seq": held["seq"]}).encode(),
-                                      memoryview(seg.buffer)[: held["nbytes"]]], copy=True)
+            self._rep.send_multipart([protocol.fetched_reply(version, held.seq, held.nbytes),
+                                      memoryview(seg.buffer)[: held.nbytes]], copy=True)
 
     # --- lifecycle ---
 

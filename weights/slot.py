@@ -5,19 +5,20 @@ shm file on the sampler for tcp):
 
     [0, 4096)          header: magic, seq, version, manifest offset/length/checksum, end of data
     [4096, data_end)   tensors, each 64-byte aligned, in the dtype the sampler loads
-    [manifest_off, +)  manifest JSON: run id, version, and per tensor name/dtype/shape/offset/nbytes/xxh3-64
+    [manifest_off, +)  manifest: a serialized WeightManifest (proto/dgrpo/v1/weights.proto): run id, version, and
+                       per tensor name/dtype/shape/offset/nbytes/xxh3-64
 
 Sequence lock (Linux kernel seqlock, single writer): the writer makes `seq` odd, writes data, manifest and header
-fields, then makes `seq` even. A reader notes `seq` (must be even and equal to the announced one), copies the slot
-into private memory, and reads `seq` again: unchanged means no write overlapped the copy. Checksums are then
-computed on the private copy, so what is verified is exactly what gets loaded. Stores through mmap are not
+fields, then makes `seq` even. A reader (`SlotReader`) checks `seq` is even and equal to the announced one,
+verifies the checksums and loads the tensors in place, then reads `seq` again: unchanged means no write overlapped
+anything it verified or loaded, so what was verified is exactly what was loaded. Stores through mmap are not
 reordered on x86-64 (TSO); on weakly ordered CPUs (ARM) a fence would be needed between the steps.
 """
 
 from __future__ import annotations
 
-import json
 import struct
+import warnings
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -26,7 +27,9 @@ import numpy as np
 import torch
 import xxhash
 
-MAGIC = b"DGRPOW01"
+from dgrpo.weights.protocol import Manifest
+
+MAGIC = b"DGRPOW02"  # 02: the manifest is a WeightManifest message (01: JSON)
 HEADER = struct.Struct("<8sQQQQQQ")  # magic, seq, version, manifest_off, manifest_len, manifest_xxh, data_end
 HEADER_BYTES = 4096
 ALIGN = 64
@@ -100,6 +103,16 @@ def read_seq(buf) -> int:
     return struct.unpack_from("<Q", buf, SEQ_OFFSET)[0]
 
 
+@dataclass
+class WrittenSlot:
+    """What a write produced: the announcement's slot fields."""
+
+    seq: int
+    nbytes: int
+    manifest_xxh3: int
+    manifest: Manifest
+
+
 class SlotWriter:
     """Writes versions into one growable buffer; `ensure(nbytes)` must return a writable buffer of >= nbytes."""
 
@@ -107,27 +120,27 @@ class SlotWriter:
         self._ensure = ensure
         self.seq = 0
 
-    def write(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, dtype: str, run_id: str) -> dict:
+    def write(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, dtype: str,
+              run_id: str) -> WrittenSlot:
         """Cast + copy every tensor into the slot, seqlock-protected; return the manifest."""
         target = DTYPES[dtype]
         buf = self._ensure(HEADER_BYTES)
         self.seq += 1  # odd: a write is in progress, readers reject the slot
         struct.pack_into("<Q", buf, SEQ_OFFSET, self.seq)
         struct.pack_into("<8s", buf, 0, MAGIC)
-        offset, entries = HEADER_BYTES, []
-        offset = self._write_tensors(named_tensors, target, dtype, entries, offset)
-        if not entries:
+        manifest = Manifest(run_id=run_id, version=version, dtype=dtype)
+        offset = self._write_tensors(named_tensors, target, dtype, manifest, HEADER_BYTES)
+        if not manifest.tensors:
             raise ValueError(f"publish(version={version}): no tensors given")
-        manifest = {"run_id": run_id, "version": version, "dtype": dtype, "tensors": entries}
-        raw = json.dumps(manifest, separators=(",", ":")).encode()
+        raw = manifest.SerializeToString()
         buf = self._ensure(offset + len(raw))
         buf[offset:offset + len(raw)] = raw
         HEADER.pack_into(buf, 0, MAGIC, self.seq, version, offset, len(raw), checksum(raw), offset)
         self.seq += 1  # even: complete
         struct.pack_into("<Q", buf, SEQ_OFFSET, self.seq)
-        return {"seq": self.seq, "nbytes": offset + len(raw), "manifest_xxh3": checksum(raw), "manifest": manifest}
+        return WrittenSlot(self.seq, offset + len(raw), checksum(raw), manifest)
 
-    def _write_tensors(self, named_tensors, target: torch.dtype, dtype: str, entries: list, offset: int) -> int:
+    def _write_tensors(self, named_tensors, target: torch.dtype, dtype: str, manifest: Manifest, offset: int) -> int:
         for name, tensor in named_tensors:
             tensor = tensor.detach()
             nbytes = tensor.numel() * target.itemsize
@@ -135,63 +148,78 @@ class SlotWriter:
             dst = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=offset)
             with one_thread():  # one pass: device->host, cast to the sampler's dtype, copy into the slot
                 dst.view(target).view(tensor.shape).copy_(tensor)
-            entries.append({
-                "name": name, "dtype": dtype, "shape": list(tensor.shape), "offset": offset, "nbytes": nbytes,
-                "xxh3": checksum(memoryview(buf)[offset:offset + nbytes]),
-            })
+            manifest.tensors.add(name=name, dtype=dtype, shape=list(tensor.shape), offset=offset, nbytes=nbytes,
+                                 xxh3=checksum(memoryview(buf)[offset:offset + nbytes]))
             offset = _align(offset + nbytes)
         return offset
 
 
-# Indirection so a test can interleave a writer with the copy (fault injection for the forced race).
-def _copy_bytes(dst: np.ndarray, src: np.ndarray) -> None:
-    np.copyto(dst, src)  # one plain memcpy
+class SlotReader:
+    """Reads one announced version in place (no copy): opens it only if complete and untorn, verifies it, hands out
+    tensor views, and tells afterwards whether a write overlapped the read.
 
-
-def snapshot(buf, version: int, seq: int, manifest_xxh3: int, private: torch.Tensor | None) -> tuple[dict, torch.Tensor]:
-    """Copy a complete, untorn slot holding `version` into `private` (grown when too small); raise otherwise.
-
-    Returns (manifest, private buffer). `buf` is the live slot (mmap or bytes-like).
+    The caller keeps generation paused from the first byte loaded until `check_intact()` passed: a version whose
+    slot was rewritten during the load is then never served (it loads the newest version instead). Reading in place
+    costs no model-size private buffer per worker and no copy; the seqlock check moves from "before using the copy"
+    to "after loading".
     """
-    seq_before = read_seq(buf)
-    if seq_before % 2:
-        raise WeightIntegrityError(f"version {version}: slot is being rewritten (seq {seq_before} odd); torn read")
-    if seq_before != seq:
-        raise WeightIntegrityError(f"version {version}: slot was overwritten (seq {seq_before}, announced {seq})")
-    header = read_header(buf)
-    if header.version != version:
-        raise WeightIntegrityError(f"version {version}: slot holds version {header.version}")
-    n = header.used_bytes
-    if n > len(buf):
-        raise WeightIntegrityError(f"version {version}: slot header names {n} bytes, the mapping has {len(buf)}")
-    if private is None or private.numel() < n:
-        private = torch.empty(n, dtype=torch.uint8)
-    _copy_bytes(private[:n].numpy(), np.frombuffer(buf, dtype=np.uint8, count=n))
-    seq_after = read_seq(buf)
-    if seq_after != seq_before:
-        raise WeightIntegrityError(
-            f"version {version}: a write overlapped the copy (seq {seq_before} -> {seq_after}); torn read rejected"
-        )
-    copy = private[:n].numpy()
-    raw = copy[header.manifest_off:header.manifest_off + header.manifest_len].tobytes()
-    if checksum(raw) != header.manifest_xxh or header.manifest_xxh != manifest_xxh3:
-        raise WeightIntegrityError(f"version {version}: manifest checksum mismatch")
-    return json.loads(raw), private
 
-
-def verify(manifest: dict, private: torch.Tensor) -> None:
-    """Recompute every tensor's checksum on the private copy; raise naming the first bad tensor."""
-    data = private.numpy()
-    for t in manifest["tensors"]:
-        got = checksum(data[t["offset"]:t["offset"] + t["nbytes"]])
-        if got != t["xxh3"]:
+    def __init__(self, buf, version: int, seq: int, manifest_xxh3: int):
+        self.buf, self.version, self.seq = buf, version, seq
+        seq_now = read_seq(buf)
+        if seq_now % 2:
+            raise WeightIntegrityError(f"version {version}: slot is being rewritten (seq {seq_now} odd); torn read")
+        if seq_now != seq:
+            raise WeightIntegrityError(f"version {version}: slot was overwritten (seq {seq_now}, announced {seq})")
+        header = read_header(buf)
+        if header.version != version:
+            raise WeightIntegrityError(f"version {version}: slot holds version {header.version}")
+        if header.used_bytes > len(buf):
             raise WeightIntegrityError(
-                f"version {manifest['version']}: checksum mismatch in {t['name']} ({got:#x} != {t['xxh3']:#x})"
-            )
+                f"version {version}: slot header names {header.used_bytes} bytes, the mapping has {len(buf)}")
+        raw = bytes(memoryview(buf)[header.manifest_off:header.manifest_off + header.manifest_len])
+        if checksum(raw) != header.manifest_xxh or header.manifest_xxh != manifest_xxh3:
+            raise WeightIntegrityError(f"version {version}: manifest checksum mismatch")
+        self.check_intact()  # the header and manifest just read belong to `seq`
+        self.manifest = Manifest.FromString(raw)
+        _check_bounds(self.manifest, header.data_end)
+        self._data = np.frombuffer(buf, dtype=np.uint8, count=header.used_bytes)
+
+    def release(self) -> None:
+        """Drop the reader's view of the buffer, so that the mapping can be closed."""
+        self._data = None
+
+    def check_intact(self) -> None:
+        """Raise if a write started since the slot was opened (everything read since may be torn)."""
+        seq_now = read_seq(self.buf)
+        if seq_now != self.seq:
+            raise WeightIntegrityError(f"version {self.version}: a write overlapped the read "
+                                       f"(seq {self.seq} -> {seq_now}); torn read rejected")
+
+    def verify(self) -> None:
+        """Recompute every tensor's checksum; raise naming the first bad tensor."""
+        for t in self.manifest.tensors:
+            got = checksum(self._data[t.offset:t.offset + t.nbytes])
+            if got != t.xxh3:
+                raise WeightIntegrityError(
+                    f"version {self.version}: checksum mismatch in {t.name} ({got:#x} != {t.xxh3:#x})")
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, read-only tensor view), in slot order. Loaders copy from them; nobody may write to them."""
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            for t in self.manifest.tensors:
+                raw = torch.from_numpy(self._data[t.offset:t.offset + t.nbytes])
+                yield t.name, raw.view(DTYPES[t.dtype]).view(list(t.shape))
 
 
-def tensors(manifest: dict, private: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor) views into the private copy, in manifest order."""
-    for t in manifest["tensors"]:
-        raw = private[t["offset"]:t["offset"] + t["nbytes"]]
-        yield t["name"], raw.view(DTYPES[t["dtype"]]).view(t["shape"])
+def _check_bounds(manifest: Manifest, data_end: int) -> None:
+    """Every tensor lies inside the data region with the size its dtype and shape need (a manifest that passed its
+    checksum was written by the learner, but a reader must not trust offsets blindly)."""
+    for t in manifest.tensors:
+        if t.dtype not in DTYPES:
+            raise WeightIntegrityError(f"version {manifest.version}: {t.name} has dtype {t.dtype!r}")
+        numel = int(np.prod(t.shape)) if len(t.shape) else 1
+        if t.nbytes != numel * DTYPES[t.dtype].itemsize or t.offset < HEADER_BYTES or t.offset + t.nbytes > data_end:
+            raise WeightIntegrityError(f"version {manifest.version}: {t.name} lies outside the slot's data "
+                                       f"(offset {t.offset}, {t.nbytes} bytes, data ends at {data_end})")

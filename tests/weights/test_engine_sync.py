@@ -12,6 +12,7 @@ import threading
 import pytest
 import torch
 
+from dgrpo.weights.protocol import Announcement
 from dgrpo.weights.publisher import WeightPublisher
 
 pytestmark = pytest.mark.slow
@@ -79,19 +80,29 @@ def perturbed(weights: dict[str, torch.Tensor], seed: int, scale: float = 0.05) 
     return {k: v + scale * torch.randn(v.shape, generator=gen) for k, v in weights.items()}
 
 
+def follow(aio, engine, cfg, weights_model):
+    """A started subscriber loading into `engine` through vLLM's weight-transfer contract."""
+    from dgrpo.sampler.weight_target import EngineWeightTarget
+    from dgrpo.weights.subscriber import WeightSubscriber, checkpoint_shapes
+
+    target = EngineWeightTarget(engine, cfg.pause_mode)
+    aio.run(target.start())
+    subscriber = WeightSubscriber(cfg, target, checkpoint_shapes(weights_model))
+    aio.run(subscriber.start())
+    return subscriber
+
+
 @pytest.fixture(scope="module")
 def synced(engine, aio, weights_model):
-    """A publisher (fp32, like the engine) and a started loader following it."""
+    """A publisher (fp32, like the engine) and a started subscriber following it."""
     from support import free_port
 
-    from dgrpo.sampler.weight_loader import WeightLoader
     from dgrpo.weights.config import WeightSyncConfig
 
     cfg = WeightSyncConfig(host="127.0.0.1", bind_host="127.0.0.1", announce_port=free_port(),
                            control_port=free_port())
     pub = WeightPublisher(cfg, "engine-test", dtype="float32")
-    loader = WeightLoader(engine, cfg, weights_model)
-    aio.run(loader.start())
+    loader = follow(aio, engine, cfg, weights_model)
     yield pub, loader
     aio.run(loader.stop())
     pub.close()
@@ -141,7 +152,7 @@ def test_torn_version_is_rejected_and_the_old_one_keeps_serving(engine, aio, syn
     stale_weights, current = perturbed(original, seed=2), perturbed(original, seed=3)
     v_stale, v_current = versions(), versions()
     pub.publish(stale_weights.items(), v_stale)
-    stale = pub._latest
+    stale = pub.latest
     publish_and_wait(aio, engine, pub, current, v_current)
     serving = aio.run(prompt_logprobs(engine))
 
@@ -159,7 +170,9 @@ def test_torn_version_is_rejected_and_the_old_one_keeps_serving(engine, aio, syn
     writer.start()
     try:
         assert half_written.wait(30)
-        stale_again = {**stale, "version": v_current + 1000}  # looks newer than what the replica has
+        stale_again = Announcement()
+        stale_again.CopyFrom(stale)
+        stale_again.version = v_current + 1000  # looks newer than what the replica has
         assert aio.run(loader.load(stale_again)) is False
         assert "torn read" in loader.rejected[-1] or "overwritten" in loader.rejected[-1]
         assert engine.weight_version == v_current
@@ -175,7 +188,7 @@ def test_checksum_mismatch_is_rejected(engine, aio, synced, original, versions):
     v_good = versions()
     publish_and_wait(aio, engine, pub, perturbed(original, seed=5), v_good)
     serving = aio.run(prompt_logprobs(engine))
-    path = pub.segment_paths[1 - pub._latest["slot"]]  # the slot the next version goes to
+    path = pub.segment_paths[1 - pub.latest.slot]  # the slot the next version goes to
     corrupt = list(perturbed(original, seed=6).items())
 
     def corrupted_after_checksum():  # bytes change after their checksum was taken (a stray write, bad DMA)
@@ -187,7 +200,7 @@ def test_checksum_mismatch_is_rejected(engine, aio, synced, original, versions):
 
     v_bad = versions()
     pub.publish(corrupted_after_checksum(), v_bad)
-    aio.run(loader.load(pub._latest))  # waits for the loader's own attempt (same lock), then tries again
+    aio.run(loader.load(pub.latest))  # waits for the loader's own attempt (same lock), then tries again
     assert engine.weight_version == v_good
     assert f"checksum mismatch in {corrupt[0][0]}" in loader.rejected[-1]
     assert torch.equal(aio.run(prompt_logprobs(engine)), serving)
@@ -219,23 +232,20 @@ def test_manifest_not_matching_the_checkpoint_is_rejected(engine, aio, synced, o
     pub, loader = synced
     version_before = engine.weight_version
     pub.publish([("model.layers.0.mlp.gate_proj.weight", torch.zeros(3, 3))], versions())
-    aio.run(loader.load(pub._latest))
+    aio.run(loader.load(pub.latest))
     assert engine.weight_version == version_before
     assert "shape [3, 3]" in loader.rejected[-1]
 
 
 def test_tcp_transport_loads_through_the_same_path(engine, aio, weights_model, hf_model, original, versions,
                                                    sync_cfg, segments_of):
-    from dgrpo.sampler.weight_loader import WeightLoader
-
     cfg = sync_cfg(transport="tcp")
     with WeightPublisher(cfg, "engine-tcp", dtype="float32") as pub:
         weights = perturbed(original, seed=8)
         v = versions()
         pub.publish(weights.items(), v)
         assert pub.segment_paths == []  # tcp: the learner's slots live in its own memory
-        loader = WeightLoader(engine, cfg, weights_model)
-        aio.run(loader.start())  # catches up over tcp: fetch -> local staging segment -> workers
+        loader = follow(aio, engine, cfg, weights_model)  # catches up over tcp: fetch -> staging segment -> workers
         try:
             assert engine.weight_version == v and loader.last_stats.fetch_s > 0
             staging = [n for n in segments_of(os.getpid()) if n.startswith("dgrpo-r-")]

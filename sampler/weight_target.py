@@ -1,0 +1,102 @@
+"""The sampler's engine adapter for the weight channel: what dgrpo.weights.subscriber loads versions into.
+
+It drives vLLM's weight-transfer contract with our `dgrpo_shm` engine (sampler/vllm_transfer.py):
+
+    start_weight_update -> update_weights(stage)        generation running: open + verify in place
+    pause_generation(weights.pause_mode)
+      update_weights(apply)                            layerwise reload from the slot + overlap check
+      finish_weight_update(version)                    vLLM records the version too
+      reset_prefix_cache                               KV blocks of the old weights are never reused
+      engine.set_weight_version                        requests fenced on the version go
+    resume_generation
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from dgrpo.sampler.engine import SamplerEngine
+from dgrpo.sampler.vllm_transfer import INTEGRITY_MARK, TORN_MARK
+from dgrpo.weights.protocol import PROTOCOL
+from dgrpo.weights.slot import WeightIntegrityError
+from dgrpo.weights.subscriber import SlotRef, TornLoad
+
+
+def transfer_engine_init_info() -> dict:
+    """`init_weight_transfer_engine`'s payload for `dgrpo_shm`."""
+    return {"protocol": PROTOCOL}
+
+
+class EngineWeightTarget:
+    """Loads weight versions into one SamplerEngine's vLLM workers."""
+
+    def __init__(self, engine: SamplerEngine, pause_mode: str):
+        self.engine, self.pause_mode = engine, pause_mode
+        self._session = False
+
+    @property
+    def weight_version(self) -> int:
+        return self.engine.weight_version
+
+    async def start(self) -> None:
+        """Hand each worker's engine the protocol revision (once, before the first version)."""
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        await self.engine.llm.init_weight_transfer_engine(WeightTransferInitRequest(transfer_engine_init_info()))
+
+    async def stage(self, ref: SlotRef) -> None:
+        await self._close_session()
+        await self.engine.llm.start_weight_update()
+        self._session = True
+        try:
+            await self._update("stage", ref)
+        except BaseException:
+            self._session = False  # vLLM ends the session when update_weights raises
+            raise
+
+    @asynccontextmanager
+    async def paused(self) -> AsyncIterator[float]:
+        t0 = time.perf_counter()
+        llm = self.engine.llm
+        # clear_cache=False: the prefix cache is reset once, after the load (set_version).
+        await llm.pause_generation(mode=self.pause_mode, clear_cache=False)
+        try:
+            yield time.perf_counter() - t0
+        finally:
+            await llm.resume_generation()
+
+    async def apply(self, ref: SlotRef) -> None:
+        try:
+            await self._update("apply", ref)
+        except BaseException:
+            self._session = False
+            raise
+        self._session = False
+        await self.engine.llm.finish_weight_update(weight_version=str(ref.version))
+        # KV blocks computed by the old weights must not be reused for new prompts.
+        await self.engine.llm.reset_prefix_cache()
+
+    def set_version(self, version: int) -> None:
+        self.engine.set_weight_version(version)
+
+    async def _update(self, phase: str, ref: SlotRef) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        try:
+            await self.engine.llm.update_weights(
+                WeightTransferUpdateRequest({"phase": phase, **dataclasses.asdict(ref)}))
+        except Exception as e:
+            # The worker's error arrives as its message; its mark says which kind the subscriber must handle.
+            message = str(e)
+            for mark, kind in ((TORN_MARK, TornLoad), (INTEGRITY_MARK, WeightIntegrityError)):
+                if mark in message:
+                    raise kind(message.split(mark, 1)[1]) from None
+            raise
+
+    async def _close_session(self) -> None:
+        if self._session:  # a staged version that was never applied (superseded)
+            self._session = False
+            await self.engine.llm.finish_weight_update()

@@ -1,0 +1,116 @@
+"""The weight channel's wire format: typed messages (proto/dgrpo/v1/weights.proto), encoded and checked in one place.
+
+Both ends (weights/publisher.py, weights/subscriber.py) and the slot layout (weights/slot.py) go through these
+functions, so a message is either a complete, well-formed one of our protocol revision or a `ProtocolError` that
+names what is wrong; nothing downstream indexes into untrusted dicts. The control socket answers every request,
+malformed ones included, with a reply (an error reply at worst), so one bad peer never stalls a REQ/REP pair.
+"""
+
+from __future__ import annotations
+
+from google.protobuf.message import DecodeError
+
+from dgrpo.v1 import weights_pb2 as pb
+
+PROTOCOL = 1
+"""Revision of the weight channel; bumped on any incompatible change of weights.proto or the slot layout."""
+TOPIC = b"weights"
+"""zmq topic of announcements (the first frame of each)."""
+
+Announcement = pb.WeightAnnouncement
+Manifest = pb.WeightManifest
+TRANSPORTS = {"shm": pb.WEIGHT_TRANSPORT_SHM, "tcp": pb.WEIGHT_TRANSPORT_TCP}
+TRANSPORT_NAMES = {v: k for k, v in TRANSPORTS.items()}
+MAX_CONTROL_REQUEST_BYTES = 4096
+"""A control request is a few bytes; anything larger is refused before parsing."""
+
+
+class ProtocolError(ValueError):
+    """A message that is not a well-formed weight-channel message of our protocol revision."""
+
+
+def _parse(message, raw: bytes, what: str):
+    try:
+        message.ParseFromString(raw)
+    except (DecodeError, TypeError) as e:
+        raise ProtocolError(f"{what}: not a {type(message).__name__} ({e})") from None
+    if message.protocol != PROTOCOL:
+        raise ProtocolError(f"{what}: protocol revision {message.protocol}, this side speaks {PROTOCOL} "
+                            "(learner and samplers must run the same dgrpo release)")
+    return message
+
+
+# --- announcements ------------------------------------------------------------------------------------------------
+
+
+def announcement(run_id: str, version: int = 0, **fields) -> pb.WeightAnnouncement:
+    """A typed announcement (version 0: nothing published yet)."""
+    return pb.WeightAnnouncement(protocol=PROTOCOL, run_id=run_id, version=version, **fields)
+
+
+def encode_announcement(ann: pb.WeightAnnouncement) -> list[bytes]:
+    """The zmq frames of one announcement."""
+    return [TOPIC, ann.SerializeToString()]
+
+
+def decode_announcement(frames: list[bytes]) -> pb.WeightAnnouncement:
+    """Frames from the SUB socket -> a checked announcement (raises ProtocolError)."""
+    if len(frames) != 2 or frames[0] != TOPIC:
+        raise ProtocolError(f"announcement: expected 2 frames [{TOPIC!r}, message], got {len(frames)}")
+    ann = _parse(pb.WeightAnnouncement(), frames[1], "announcement")
+    if ann.version == 0:
+        return ann
+    if ann.slot not in (0, 1):
+        raise ProtocolError(f"announcement of version {ann.version}: slot {ann.slot} does not exist")
+    if ann.transport not in TRANSPORT_NAMES:
+        raise ProtocolError(f"announcement of version {ann.version}: unknown transport {ann.transport}")
+    if ann.transport == pb.WEIGHT_TRANSPORT_SHM and (not ann.segment or "/" in ann.segment):
+        raise ProtocolError(f"announcement of version {ann.version}: segment {ann.segment!r} is not a file name")
+    if ann.manifest.version != ann.version or not ann.manifest.tensors:
+        raise ProtocolError(f"announcement of version {ann.version}: its manifest holds version "
+                            f"{ann.manifest.version} with {len(ann.manifest.tensors)} tensors")
+    return ann
+
+
+# --- control requests and replies ---------------------------------------------------------------------------------
+
+
+def latest_request() -> bytes:
+    return pb.WeightControlRequest(protocol=PROTOCOL, latest=pb.LatestWeightsRequest()).SerializeToString()
+
+
+def fetch_request(version: int, slot: int) -> bytes:
+    fetch = pb.FetchWeightsRequest(version=version, slot=slot)
+    return pb.WeightControlRequest(protocol=PROTOCOL, fetch=fetch).SerializeToString()
+
+
+def decode_request(raw: bytes) -> pb.WeightControlRequest:
+    if len(raw) > MAX_CONTROL_REQUEST_BYTES:
+        raise ProtocolError(f"control request of {len(raw)} bytes (at most {MAX_CONTROL_REQUEST_BYTES})")
+    request = _parse(pb.WeightControlRequest(), raw, "control request")
+    if request.WhichOneof("request") is None:
+        raise ProtocolError("control request: neither `latest` nor `fetch`")
+    return request
+
+
+def latest_reply(ann: pb.WeightAnnouncement) -> bytes:
+    return pb.WeightControlReply(protocol=PROTOCOL, latest=ann).SerializeToString()
+
+
+def fetched_reply(version: int, seq: int, nbytes: int) -> bytes:
+    fetched = pb.FetchedWeights(version=version, seq=seq, nbytes=nbytes)
+    return pb.WeightControlReply(protocol=PROTOCOL, fetched=fetched).SerializeToString()
+
+
+def error_reply(message: str) -> bytes:
+    return pb.WeightControlReply(protocol=PROTOCOL, error=message[:1000]).SerializeToString()
+
+
+def decode_reply(raw: bytes) -> pb.WeightControlReply:
+    """A checked reply; an `error` reply raises ProtocolError with the learner's message."""
+    reply = _parse(pb.WeightControlReply(), raw, "control reply")
+    if reply.WhichOneof("reply") == "error":
+        raise ProtocolError(f"the learner answered: {reply.error}")
+    if reply.WhichOneof("reply") is None:
+        raise ProtocolError("control reply: empty")
+    return reply

@@ -1,0 +1,321 @@
+"""The samplers' side of the weight channel: follow the learner's announcements and load each new version into a
+`WeightTarget` (the sampler's engine adapter; a plain torch module in the channel's own tests).
+
+    subscriber = WeightSubscriber(cfg.weights, target, expected_shapes=checkpoint_shapes(model_path))
+    await subscriber.start()   # catches up to the latest published version BEFORE the replica reports SERVING
+    ...
+    await subscriber.stop()
+
+Per version: check the announcement (protocol revision, run, manifest names and shapes against the checkpoint),
+fetch the bytes into a local staging segment (tcp transport), `target.stage` (verify the checksums in place while
+generation keeps running), then under `target.paused()`: `target.apply` (load in place, then confirm that no write
+overlapped the load) and `target.set_version`. A corrupt version is rejected at staging and the replica keeps
+serving the previous one. A version whose slot was rewritten *during* the load (the learner published twice while
+this replica loaded once) leaves the model mixed: generation stays paused and the newest version is loaded at once,
+so no token is ever sampled from torn weights. Announcements that queue up during a load are coalesced: only the
+newest is loaded.
+
+Late joiners: PUB/SUB drops what was sent before a subscription is live, so the learner's XPUB socket answers
+every new subscription with the latest announcement. `start()` waits (bounded by `catch_up_timeout_s`) for that
+first message and loads the version it names before returning; nothing published after it can be missed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import struct
+import time
+import weakref
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import zmq
+import zmq.asyncio
+
+from dgrpo.weights import protocol
+from dgrpo.weights.config import WeightSyncConfig
+from dgrpo.weights.protocol import Announcement, ProtocolError
+from dgrpo.weights.shm import ShmSegment, owner_tag, reclaim_stale
+from dgrpo.weights.slot import WeightIntegrityError
+
+log = logging.getLogger(__name__)
+
+MAX_TORN_RETRIES = 3
+"""Loads in a row that a rewrite overlapped before the replica gives up (the learner outpaces every load)."""
+
+
+@dataclass(frozen=True)
+class SlotRef:
+    """Where a target reads one version: msgpack-able fields only (they cross into vLLM's workers)."""
+
+    path: str
+    version: int
+    seq: int
+    manifest_xxh3: int
+    verify: bool
+
+
+class WeightTarget(Protocol):
+    """What a subscriber loads versions into. Implementations: the sampler's vLLM adapter
+    (dgrpo.sampler.weight_target) and the torch-module target of the channel's tests."""
+
+    @property
+    def weight_version(self) -> int: ...
+
+    async def stage(self, ref: SlotRef) -> None:
+        """Open and verify `ref` without touching the model (generation may run); raise WeightIntegrityError."""
+
+    def paused(self) -> AbstractAsyncContextManager[float]:
+        """Generation paused inside the block; yields the seconds pausing took."""
+
+    async def apply(self, ref: SlotRef) -> None:
+        """Load the staged `ref` (inside `paused()`); raise TornLoad when a write overlapped the load."""
+
+    def set_version(self, version: int) -> None:
+        """Record the version now served (inside `paused()`, after a successful apply)."""
+
+
+class TornLoad(WeightIntegrityError):
+    """A write overlapped a load: the model holds a mix of two versions and must not serve until reloaded."""
+
+
+class WeightChannelBroken(RuntimeError):
+    """The replica cannot reach an untorn version: it must not serve (its supervisor restarts it)."""
+
+
+@dataclass
+class LoadStats:
+    """Seconds spent on one version, from announcement to serving it."""
+
+    version: int
+    nbytes: int
+    fetch_s: float
+    """tcp only: bytes from the learner into the local staging segment."""
+    stage_s: float
+    """Checksums verified in place (generation still running)."""
+    pause_s: float
+    load_s: float
+    """Load into the engine and the overlap check (generation paused)."""
+    resume_s: float
+    """Recording the version + resume."""
+    total_s: float
+    done_at: float
+    """time.perf_counter() when the version was recorded (requests fenced on it were released)."""
+
+
+def checkpoint_shapes(model_path: str | Path) -> dict[str, list[int]]:
+    """HF tensor name -> shape, read from the safetensors headers of the model folder (no tensor data)."""
+    shapes: dict[str, list[int]] = {}
+    for file in sorted(Path(model_path).glob("*.safetensors")):
+        with open(file, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(length))
+        shapes.update({k: v["shape"] for k, v in header.items() if k != "__metadata__"})
+    config = Path(model_path) / "config.json"
+    tied = config.is_file() and json.loads(config.read_text()).get("tie_word_embeddings", False)
+    if tied and "model.embed_tokens.weight" in shapes and "lm_head.weight" not in shapes:
+        shapes["lm_head.weight"] = shapes["model.embed_tokens.weight"]  # tied: a state_dict still names it
+    return shapes
+
+
+class WeightSubscriber:
+    """Keeps one target on the newest weight version the learner has published."""
+
+    def __init__(self, cfg: WeightSyncConfig, target: WeightTarget, expected_shapes: dict[str, list[int]]):
+        self.cfg, self.target, self._shapes = cfg, target, expected_shapes
+        self.run_id: str | None = None
+        self.last_stats: LoadStats | None = None
+        self.rejected: list[str] = []
+        self._ctx = zmq.asyncio.Context()
+        self._sub: zmq.asyncio.Socket | None = None
+        self._staging: ShmSegment | None = None
+        self._lock = asyncio.Lock()
+        self._task: asyncio.Task | None = None
+        self._control = f"tcp://{cfg.host}:{cfg.control_port}"
+
+    # --- lifecycle ---
+
+    async def start(self) -> None:
+        """Subscribe, catch up to the latest published version (bounded wait), then follow announcements."""
+        reclaim_stale(self.cfg.shm_dir)
+        self._sub = self._ctx.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.LINGER, 0)
+        self._sub.setsockopt(zmq.SUBSCRIBE, protocol.TOPIC)
+        self._sub.connect(f"tcp://{self.cfg.host}:{self.cfg.announce_port}")
+        try:
+            frames = await asyncio.wait_for(self._sub.recv_multipart(), self.cfg.catch_up_timeout_s)
+        except (asyncio.TimeoutError, TimeoutError):
+            log.info("no weight publisher answered at %s:%d; serving version %d until one announces",
+                     self.cfg.host, self.cfg.announce_port, self.target.weight_version)
+        else:
+            try:
+                await self._handle(frames)
+            except WeightChannelBroken:
+                raise
+            except Exception:  # serve what we have rather than not at all; the failure is logged loudly
+                log.exception("catching up on weights failed; serving version %d", self.target.weight_version)
+        self._task = asyncio.get_running_loop().create_task(self._listen())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self._sub is not None:
+            self._sub.close(linger=0)
+        self._ctx.term()
+        if self._staging is not None:
+            self._staging.close(unlink=True)
+
+    @property
+    def failed(self) -> BaseException | None:
+        """The error that ended the follower task (WeightChannelBroken), if it ended."""
+        if self._task is None or not self._task.done() or self._task.cancelled():
+            return None
+        return self._task.exception()
+
+    async def _listen(self) -> None:
+        while True:
+            frames = await self._sub.recv_multipart()
+            # Coalesce: while we were busy more announcements may have queued; only the newest matters.
+            while await self._sub.poll(0):
+                frames = await self._sub.recv_multipart()
+            try:
+                await self._handle(frames)
+            except WeightChannelBroken:
+                raise
+            except Exception:  # keep following: the next announcement may well load
+                log.exception("weight update failed; still serving version %d", self.target.weight_version)
+
+    async def _handle(self, frames: list[bytes]) -> None:
+        try:
+            ann = protocol.decode_announcement(frames)
+        except ProtocolError as e:
+            self._reject(f"ignoring an announcement: {e}")
+            return
+        if ann.version > 0:  # 0: the learner is up but has published nothing yet
+            await self.load(ann)
+
+    # --- loading one version ---
+
+    def _reject(self, problem: str) -> None:
+        self.rejected.append(problem)
+        log.error("REJECTED %s — still serving version %d", problem, self.target.weight_version)
+
+    def _is_new(self, ann: Announcement) -> bool:
+        if self.run_id is not None and ann.run_id != self.run_id:
+            log.warning("weights from a new run %r (was %r): following it", ann.run_id, self.run_id)
+            return True
+        return ann.version > self.target.weight_version
+
+    def _check_manifest(self, ann: Announcement) -> str | None:
+        for t in ann.manifest.tensors:
+            expected = self._shapes.get(t.name)
+            if expected is None:
+                return f"weight version {ann.version}: tensor {t.name!r} is not in the sampler's checkpoint"
+            if list(expected) != list(t.shape):
+                return f"weight version {ann.version}: {t.name} has shape {list(t.shape)}, the checkpoint {expected}"
+        return None
+
+    async def load(self, ann: Announcement) -> bool:
+        """Load the announced version; False (and the old version kept) if it is stale, torn or corrupt."""
+        async with self._lock:
+            if not self._is_new(ann):
+                return False
+            t0 = time.perf_counter()
+            staged = await self._stage(ann)
+            if staged is None:
+                return False
+            ref, fetch_s = staged
+            t1 = time.perf_counter()
+            async with self.target.paused() as pause_s:
+                t2 = time.perf_counter()
+                ref = await self._apply_untorn(ref)
+                t3 = time.perf_counter()
+                self.target.set_version(ref.version)
+                done_at = time.perf_counter()
+                self.run_id = ann.run_id
+            t4 = time.perf_counter()
+            self.last_stats = LoadStats(ref.version, ann.nbytes, fetch_s, t1 - t0 - fetch_s, pause_s, t3 - t2,
+                                        t4 - t3, t4 - t0, done_at)
+            log.info("loaded weight version %d (%.1f MB) in %.3fs: fetch %.3f stage %.3f pause %.3f load %.3f "
+                     "resume %.3f", ref.version, ann.nbytes / 1e6, t4 - t0, fetch_s, t1 - t0 - fetch_s, pause_s,
+                     t3 - t2, t4 - t3)
+            return True
+
+    async def _stage(self, ann: Announcement) -> tuple[SlotRef, float] | None:
+        """Checked, fetched (tcp) and verified `ann`, or None after logging why it is rejected."""
+        problem = self._check_manifest(ann)
+        if problem is not None:
+            self._reject(problem)
+            return None
+        t0 = time.perf_counter()
+        try:
+            if self.cfg.transport == "tcp" or ann.transport == protocol.TRANSPORTS["tcp"]:
+                ref = await self._fetch(ann)
+            else:
+                # The slot's name under our own shm_dir: a container may mount the learner's /dev/shm elsewhere.
+                ref = SlotRef(str(Path(self.cfg.shm_dir) / ann.segment), ann.version, ann.seq, ann.manifest_xxh3,
+                              self.cfg.verify_checksums)
+            fetch_s = time.perf_counter() - t0
+            await self.target.stage(ref)
+        except (WeightIntegrityError, ProtocolError) as e:
+            self._reject(f"weight version {ann.version}: {e}")
+            return None
+        return ref, fetch_s
+
+    async def _apply_untorn(self, ref: SlotRef) -> SlotRef:
+        """Apply `ref`; after a torn load, stage and apply the newest version instead (still paused)."""
+        for _ in range(MAX_TORN_RETRIES):
+            try:
+                await self.target.apply(ref)
+                return ref
+            except TornLoad as e:
+                log.warning("%s: loading the newest version before resuming", e)
+                newest = await self._latest()
+                staged = await self._stage(newest) if newest is not None and newest.version > 0 else None
+                if staged is None:
+                    break
+                ref = staged[0]
+        raise WeightChannelBroken(f"no untorn weight version after {MAX_TORN_RETRIES} tries (the learner rewrote "
+                                  "each slot while it was loaded); this replica must not serve")
+
+    async def _latest(self) -> Announcement | None:
+        reply = await self._request(protocol.latest_request(), self.cfg.catch_up_timeout_s)
+        return None if reply is None else protocol.decode_reply(reply[0].bytes).latest
+
+    async def _fetch(self, ann: Announcement) -> SlotRef:
+        """tcp transport: copy the version's bytes from the learner into our staging segment."""
+        reply = await self._request(protocol.fetch_request(ann.version, ann.slot), self.cfg.fetch_timeout_s)
+        if reply is None:
+            raise ProtocolError(f"no bytes from {self._control} in {self.cfg.fetch_timeout_s}s")
+        if len(reply) != 2:
+            protocol.decode_reply(reply[0].bytes)  # an error reply raises with the learner's message
+            raise ProtocolError(f"fetch reply of {len(reply)} frames")
+        fetched = protocol.decode_reply(reply[0].bytes).fetched
+        data = reply[1].buffer
+        if fetched.version != ann.version or fetched.nbytes != len(data):
+            raise ProtocolError(f"fetched version {fetched.version} ({len(data)} bytes), announced {ann.version} "
+                                f"({fetched.nbytes} bytes)")
+        if self._staging is None:
+            self._staging = ShmSegment(Path(self.cfg.shm_dir) / f"dgrpo-r-{owner_tag()}-{id(self) % 10**6}")
+            weakref.finalize(self, self._staging.close)  # removed at exit even if stop() is never reached
+        buf = self._staging.ensure(len(data))
+        buf[: len(data)] = data
+        return SlotRef(str(self._staging.path), ann.version, fetched.seq, ann.manifest_xxh3, self.cfg.verify_checksums)
+
+    async def _request(self, message: bytes, timeout_s: float) -> list | None:
+        """One REQ/REP exchange on a fresh socket (a REQ socket that timed out cannot be reused)."""
+        sock = self._ctx.socket(zmq.REQ)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(self._control)
+            await sock.send(message)
+            if not await sock.poll(int(timeout_s * 1000)):
+                return None
+            return await sock.recv_multipart(copy=False)
+        finally:
+            sock.close(linger=0)
