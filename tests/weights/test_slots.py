@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import stat
@@ -14,7 +13,7 @@ import pytest
 import torch
 import zmq
 
-from dgrpo.weights import slot
+from dgrpo.weights import protocol, slot
 from dgrpo.weights.publisher import WeightPublisher
 from dgrpo.weights.shm import open_readonly
 
@@ -24,27 +23,34 @@ def state(value: float, n: int = 4) -> dict[str, torch.Tensor]:
     return {f"model.layers.{i}.w": torch.full((64, 96 + i), value) for i in range(n)}
 
 
-def snapshot_of(ann: dict, private=None):
-    mapped = open_readonly(ann["path"])
-    try:
-        return slot.snapshot(mapped, ann["version"], ann["seq"], ann["manifest_xxh3"], private)
-    finally:
-        mapped.close()
+def reader_of(ann, cfg) -> slot.SlotReader:
+    """A reader of the announced version, in place in the learner's segment (as a sampler's worker reads it)."""
+    return slot.SlotReader(open_readonly(os.path.join(cfg.shm_dir, ann.segment)), ann.version, ann.seq,
+                           ann.manifest_xxh3)
+
+
+def values(reader: slot.SlotReader) -> set[float]:
+    return {float(v) for _, t in reader.tensors() for v in t.unique()}
 
 
 def test_publish_casts_to_dtype_and_roundtrips_bit_exactly(sync_cfg, segments_of):
     weights = {"a.weight": torch.randn(33, 17), "b.bias": torch.randn(5), "c.scalar": torch.tensor(3.25)}
-    with WeightPublisher(sync_cfg(), "unit", dtype="bfloat16") as pub:
+    cfg = sync_cfg()
+    with WeightPublisher(cfg, "unit", dtype="bfloat16") as pub:
         stats = pub.publish(weights.items(), version=1)
-        ann = pub._latest
-        assert stats.num_tensors == 3 and stats.slot == 0 and stats.nbytes == ann["nbytes"]
-        manifest, private = snapshot_of(ann)
-        slot.verify(manifest, private)
-        loaded = dict(slot.tensors(manifest, private))
+        ann = pub.latest
+        assert stats.num_tensors == 3 and stats.slot == 0 and stats.nbytes == ann.nbytes
+        assert ann.protocol == protocol.PROTOCOL and ann.transport == protocol.TRANSPORTS["shm"]
+        reader = reader_of(ann, cfg)
+        reader.verify()
+        loaded = dict(reader.tensors())
         assert list(loaded) == list(weights)
         for name, t in weights.items():
             assert loaded[name].dtype == torch.bfloat16 and torch.equal(loaded[name], t.to(torch.bfloat16))
-        assert all(t["offset"] % slot.ALIGN == 0 for t in manifest["tensors"])
+        assert all(t.offset % slot.ALIGN == 0 for t in reader.manifest.tensors)
+        assert reader.manifest == ann.manifest  # the slot's own manifest is the announced one
+        del loaded
+        reader.release()
         # Owner-only segments, one per slot, named after this process.
         assert sorted(p.name for p in pub.segment_paths) == segments_of(os.getpid())
         for p in pub.segment_paths:
@@ -55,15 +61,15 @@ def test_publish_casts_to_dtype_and_roundtrips_bit_exactly(sync_cfg, segments_of
 
 
 def test_slots_alternate_so_the_previous_version_stays_readable(sync_cfg):
-    with WeightPublisher(sync_cfg(), "alt", dtype="float32") as pub:
+    cfg = sync_cfg()
+    with WeightPublisher(cfg, "alt", dtype="float32") as pub:
         pub.publish(state(1.0).items(), 1)
-        v1 = pub._latest
+        v1 = pub.latest
         pub.publish(state(2.0).items(), 2)
-        manifest, private = snapshot_of(v1)  # v1's slot untouched by v2
-        assert all(torch.all(t == 1.0) for _, t in slot.tensors(manifest, private))
+        assert values(reader_of(v1, cfg)) == {1.0}  # v1's slot untouched by v2
         pub.publish(state(3.0).items(), 3)  # reuses v1's slot
         with pytest.raises(slot.WeightIntegrityError, match="overwritten"):
-            snapshot_of(v1)
+            reader_of(v1, cfg)
 
 
 def test_a_slot_being_written_is_rejected(sync_cfg):
@@ -77,41 +83,45 @@ def test_a_slot_being_written_is_rejected(sync_cfg):
                 release.wait(10)
             yield item
 
-    with WeightPublisher(sync_cfg(), "race", dtype="float32") as pub:
+    cfg = sync_cfg()
+    with WeightPublisher(cfg, "race", dtype="float32") as pub:
         pub.publish(state(1.0).items(), 1)
-        v1 = pub._latest
+        v1 = pub.latest
         pub.publish(state(2.0).items(), 2)
         writer = threading.Thread(target=pub.publish, args=(slow_state(), 3))
         writer.start()
         assert half_written.wait(10)
         with pytest.raises(slot.WeightIntegrityError, match="being rewritten"):
-            snapshot_of(v1)
+            reader_of(v1, cfg)
         release.set()
         writer.join(10)
-        manifest, private = snapshot_of(pub._latest)
-        assert all(torch.all(t == 3.0) for _, t in slot.tensors(manifest, private))
+        assert values(reader_of(pub.latest, cfg)) == {3.0}
 
 
-def test_a_write_overlapping_the_copy_is_rejected(sync_cfg, monkeypatch):
-    """Force the other interleaving: a whole publish into the slot lands while the reader copies it."""
-    with WeightPublisher(sync_cfg(), "race2", dtype="float32") as pub:
+def test_a_write_overlapping_the_load_is_caught_after_it(sync_cfg):
+    """The other interleaving: a whole publish into the slot lands while the reader loads from it in place. The
+    reader cannot prevent seeing a mix, so it must tell afterwards (its caller then loads the newest version)."""
+    cfg = sync_cfg()
+    with WeightPublisher(cfg, "race2", dtype="float32") as pub:
         pub.publish(state(1.0).items(), 1)
-        v1 = pub._latest
+        v1 = pub.latest
         pub.publish(state(2.0).items(), 2)
-        real_copy = slot._copy_bytes
-
-        def copy_during_a_write(dst, src):
-            pub.publish(state(3.0).items(), 3)
-            real_copy(dst, src)
-
-        monkeypatch.setattr(slot, "_copy_bytes", copy_during_a_write)
-        with pytest.raises(slot.WeightIntegrityError, match="overlapped the copy"):
-            snapshot_of(v1)
+        reader = reader_of(v1, cfg)
+        reader.verify()
+        loaded = []
+        for i, (_, t) in enumerate(reader.tensors()):
+            if i == 2:
+                pub.publish(state(3.0).items(), 3)  # rewrites v1's slot under the reader
+            loaded.append(float(t.unique()[0]))
+        assert loaded == [1.0, 1.0, 3.0, 3.0]  # what a loader got: a mix of two versions
+        with pytest.raises(slot.WeightIntegrityError, match="overlapped the read"):
+            reader.check_intact()
 
 
 def test_racing_reader_never_sees_a_mixed_version(sync_cfg):
     """A writer publishing back-to-back against a reader: everything the reader accepts is one whole version."""
-    with WeightPublisher(sync_cfg(), "stress", dtype="float32") as pub:
+    cfg = sync_cfg()
+    with WeightPublisher(cfg, "stress", dtype="float32") as pub:
         pub.publish(state(1.0, n=8).items(), 1)
         stop, accepted, rejected = threading.Event(), [], []
 
@@ -125,16 +135,17 @@ def test_racing_reader_never_sees_a_mixed_version(sync_cfg):
         writer.start()
         try:
             for _ in range(300):
-                ann = pub._latest
+                ann = pub.latest
                 try:
-                    manifest, private = snapshot_of(ann)
-                    slot.verify(manifest, private)
+                    reader = reader_of(ann, cfg)
+                    reader.verify()
+                    seen = {float(t.clone().unique().item()) for _, t in reader.tensors()}
+                    reader.check_intact()  # only now is what was read known to be one version
                 except slot.WeightIntegrityError:
-                    rejected.append(ann["version"])
+                    rejected.append(ann.version)
                     continue
-                values = {float(t.unique().item()) for _, t in slot.tensors(manifest, private)}
-                assert values == {float(ann["version"])}
-                accepted.append(ann["version"])
+                assert seen == {float(ann.version)}
+                accepted.append(ann.version)
         finally:
             stop.set()
             writer.join(10)
@@ -142,18 +153,18 @@ def test_racing_reader_never_sees_a_mixed_version(sync_cfg):
 
 
 def test_corrupted_bytes_fail_the_checksum(sync_cfg):
-    with WeightPublisher(sync_cfg(), "corrupt", dtype="float32") as pub:
+    cfg = sync_cfg()
+    with WeightPublisher(cfg, "corrupt", dtype="float32") as pub:
         pub.publish(state(1.0).items(), 1)
-        ann = pub._latest
-        victim = ann["manifest"]["tensors"][2]
-        with open(ann["path"], "r+b") as f:  # a bit flip inside one tensor, header and seq untouched
-            f.seek(victim["offset"] + 100)
+        ann = pub.latest
+        victim = ann.manifest.tensors[2]
+        with open(os.path.join(cfg.shm_dir, ann.segment), "r+b") as f:  # a bit flip inside one tensor
+            f.seek(victim.offset + 100)
             byte = f.read(1)
-            f.seek(victim["offset"] + 100)
+            f.seek(victim.offset + 100)
             f.write(bytes([byte[0] ^ 0x10]))
-        manifest, private = snapshot_of(ann)
-        with pytest.raises(slot.WeightIntegrityError, match=f"checksum mismatch in {victim['name']}"):
-            slot.verify(manifest, private)
+        with pytest.raises(slot.WeightIntegrityError, match=f"checksum mismatch in {victim.name}"):
+            reader_of(ann, cfg).verify()
 
 
 def test_segments_left_by_a_killed_learner_are_reclaimed(sync_cfg, segments_of, tmp_path):
@@ -189,25 +200,63 @@ def test_segments_are_removed_at_exit_without_close(sync_cfg, segments_of):
     assert segments_of(proc.pid) == []
 
 
+def _ask(req, message: bytes) -> list[bytes]:
+    req.send(message)
+    return req.recv_multipart()
+
+
 def test_control_socket_serves_latest_and_tcp_bytes(sync_cfg):
     cfg = sync_cfg(transport="tcp")
     with WeightPublisher(cfg, "tcp", dtype="float16") as pub, zmq.Context() as ctx:
         req = ctx.socket(zmq.REQ)
         req.connect(f"tcp://127.0.0.1:{cfg.control_port}")
-        req.send(b'{"op": "latest"}')
-        assert json.loads(req.recv()) == {"run_id": "tcp", "version": 0}
+        nothing = protocol.decode_reply(_ask(req, protocol.latest_request())[0]).latest
+        assert (nothing.run_id, nothing.version) == ("tcp", 0)
         pub.publish(state(1.5).items(), 4)
-        req.send(b'{"op": "latest"}')
-        latest = json.loads(req.recv())
-        assert latest["version"] == 4 and latest["path"] is None and latest["transport"] == "tcp"
-        req.send(json.dumps({"op": "fetch", "version": 4, "slot": latest["slot"]}).encode())
-        meta, data = req.recv_multipart()
-        manifest, private = slot.snapshot(bytearray(data), 4, json.loads(meta)["seq"], latest["manifest_xxh3"], None)
-        slot.verify(manifest, private)
-        assert all(t.dtype == torch.float16 and torch.all(t == 1.5) for _, t in slot.tensors(manifest, private))
-        req.send(json.dumps({"op": "fetch", "version": 3, "slot": 0}).encode())
-        assert "gone" in json.loads(req.recv_multipart()[0])["error"]
+        latest = protocol.decode_reply(_ask(req, protocol.latest_request())[0]).latest
+        assert latest.version == 4 and latest.segment == "" and latest.transport == protocol.TRANSPORTS["tcp"]
+        meta, data = _ask(req, protocol.fetch_request(4, latest.slot))
+        fetched = protocol.decode_reply(meta).fetched
+        assert (fetched.version, fetched.nbytes) == (4, len(data))
+        reader = slot.SlotReader(bytearray(data), 4, fetched.seq, latest.manifest_xxh3)
+        reader.verify()
+        assert all(t.dtype == torch.float16 and torch.all(t == 1.5) for _, t in reader.tensors())
+        with pytest.raises(protocol.ProtocolError, match="version 3 is gone"):
+            protocol.decode_reply(_ask(req, protocol.fetch_request(3, 0))[0])
         req.close(linger=0)
+
+
+def test_hostile_control_requests_get_an_error_and_the_channel_keeps_serving(sync_cfg):
+    """Garbage, wrong revisions, oversized and multi-frame requests, bad slots: each gets an error reply naming the
+    problem; the control thread survives them all and still answers and announces."""
+    cfg = sync_cfg()
+    with WeightPublisher(cfg, "hostile", dtype="float32") as pub, zmq.Context() as ctx:
+        req = ctx.socket(zmq.REQ)
+        req.connect(f"tcp://127.0.0.1:{cfg.control_port}")
+        wrong_revision = protocol.pb.WeightControlRequest(protocol=99, latest=protocol.pb.LatestWeightsRequest())
+        cases = {
+            b'{"op": "fetch", "version": "x", "slot": 0}': "not a WeightControlRequest|protocol revision 0",
+            b"\xff" * 50: "not a WeightControlRequest|protocol revision",
+            wrong_revision.SerializeToString(): "protocol revision 99, this side speaks 1",
+            protocol.pb.WeightControlRequest(protocol=1).SerializeToString(): "neither `latest` nor `fetch`",
+            b"x" * 100_000: "control request of 100000 bytes",
+            protocol.fetch_request(1, 0): "fetch is served only with weights.transport=tcp",
+        }
+        for message, expected in cases.items():
+            with pytest.raises(protocol.ProtocolError, match=expected):
+                protocol.decode_reply(_ask(req, message)[0])
+        req.send_multipart([protocol.latest_request(), b"extra"])
+        with pytest.raises(protocol.ProtocolError, match="expected 1 frame"):
+            protocol.decode_reply(req.recv())
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, protocol.TOPIC)
+        sub.connect(f"tcp://127.0.0.1:{cfg.announce_port}")
+        assert protocol.decode_announcement(sub.recv_multipart()).version == 0  # the catch-up answer
+        pub.publish(state(1.0).items(), 1)
+        assert protocol.decode_announcement(sub.recv_multipart()).version == 1
+        assert protocol.decode_reply(_ask(req, protocol.latest_request())[0]).latest.version == 1
+        for s in (req, sub):
+            s.close(linger=0)
 
 
 def test_bad_run_id_is_refused(sync_cfg):
