@@ -2,13 +2,14 @@
 
 The learner's fp32 weights of the bundled SmolLM2-135M-Instruct are published as bf16 (270 MB) to two vLLM-CPU
 replicas, `--rounds` times. Printed: medians of the learner's write (cast + copy + checksums) and announce, each
-replica's stage (tcp fetch; copy under the sequence lock + checksum verify, generation still running), pause,
-layerwise reload, prefix-cache reset + resume, and the end-to-end time until the last replica records the version.
+replica's stage (tcp fetch; checksums verified in place, generation still running), pause, layerwise reload through
+vLLM's weight-transfer API + prefix-cache reset, resume, and the end-to-end time until the last replica records the
+version.
 Next to them, this machine's anchors: memcpy bandwidth (13-16 GB/s measured here) and vLLM's own `reload_weights`
 from a safetensors folder in /dev/shm (0.27 s for 270 MB measured here), both re-measured now.
 
 The replicas' API sides share this process (each AsyncLLM in its own event-loop thread), their vLLM engines and
-workers are separate processes as in `dgrpo sampler`; the heavy steps (copy, verify, reload) run in those workers.
+workers are separate processes as in `dgrpo sampler`; the heavy steps (verify, reload) run in those workers.
 
     python benchmarks/bench_weight_sync.py [--rounds 5] [--replicas 2] [--transport shm|tcp]
 """
@@ -28,13 +29,14 @@ from pathlib import Path
 
 
 class Replica:
-    """A SamplerEngine + WeightLoader on its own event loop thread."""
+    """A SamplerEngine + its WeightSubscriber on its own event loop thread."""
 
     def __init__(self, model_path: str, cfg):
         from dgrpo.common.model_config import ModelConfig
         from dgrpo.sampler.config import SamplerConfig
         from dgrpo.sampler.engine import SamplerEngine
-        from dgrpo.sampler.weight_loader import WeightLoader
+        from dgrpo.sampler.weight_target import EngineWeightTarget
+        from dgrpo.weights.subscriber import WeightSubscriber, checkpoint_shapes
 
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
@@ -47,7 +49,9 @@ class Replica:
             )
 
         self.engine = self.run(create(), 600)
-        self.loader = WeightLoader(self.engine, cfg, model_path)
+        target = EngineWeightTarget(self.engine, cfg.pause_mode)
+        self.run(target.start())
+        self.loader = WeightSubscriber(cfg, target, checkpoint_shapes(model_path))
         self.run(self.loader.start())
 
     def run(self, coro, timeout: float = 120):
@@ -149,9 +153,9 @@ def main() -> None:
     print(f"  announce                                      {announce:.4f}")
     for i in range(args.replicas):
         parts = {k: med([getattr(loads[i], k) for _, loads, _ in rows])
-                 for k in ("fetch_s", "stage_s", "pause_s", "load_s", "reset_s", "total_s")}
-        print(f"  replica {i}: fetch {parts['fetch_s']:.3f}  stage (copy+verify) {parts['stage_s']:.3f}  "
-              f"pause {parts['pause_s']:.3f}  reload {parts['load_s']:.3f}  reset+resume {parts['reset_s']:.3f}  "
+                 for k in ("fetch_s", "stage_s", "pause_s", "load_s", "resume_s", "total_s")}
+        print(f"  replica {i}: fetch {parts['fetch_s']:.3f}  stage (verify in place) {parts['stage_s']:.3f}  "
+              f"pause {parts['pause_s']:.3f}  reload+cache reset {parts['load_s']:.3f}  resume {parts['resume_s']:.3f}  "
               f"= {parts['total_s']:.3f} after announce")
     print(f"  END TO END publish -> every replica serving   {e2e:.3f}   (target < 0.3)   "
           f"{nbytes / e2e / 1e9:.2f} GB/s effective")

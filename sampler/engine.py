@@ -128,10 +128,10 @@ class SamplerEngine:
         """Build AsyncLLM from our config (vLLM must be importable; env defaults already applied)."""
         from vllm import AsyncEngineArgs
         from vllm.config.weight_transfer import WeightTransferConfig
-
-        from dgrpo.sampler.vllm_transfer import BACKEND
         from vllm.v1.engine.async_llm import AsyncLLM
         from vllm.v1.metrics.loggers import StatLoggerBase
+
+        from dgrpo.sampler.vllm_transfer import BACKEND
 
         load = EngineLoad()
 

@@ -137,8 +137,8 @@ class SlotTransferEngine(WeightTransferEngine[SlotInitInfo, SlotUpdateInfo]):
             raise
 
     def _apply(self, info: SlotUpdateInfo) -> None:
-        from dgrpo.weights.subscriber import TornLoad
         from dgrpo.weights.slot import WeightIntegrityError
+        from dgrpo.weights.subscriber import TornLoad
 
         if self._staged is None or self._staged[0].version != info.version:
             staged = self._staged[0].version if self._staged else None

@@ -202,8 +202,6 @@ class WeightPublisher:
             self._rep.send(protocol.error_reply(f"the learner failed to answer: {type(e).__name__}"))
 
     def _send_slot(self, version: int, slot: int) -> None:
-        if self.cfg.transport != "tcp":
-            raise ProtocolError("fetch is served only with weights.transport=tcp (this run shares memory)")
         if slot not in (0, 1):
             raise ProtocolError(f"slot {slot} does not exist")
         with self._slots.locks[slot]:

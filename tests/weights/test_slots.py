@@ -240,7 +240,8 @@ def test_hostile_control_requests_get_an_error_and_the_channel_keeps_serving(syn
             wrong_revision.SerializeToString(): "protocol revision 99, this side speaks 1",
             protocol.pb.WeightControlRequest(protocol=1).SerializeToString(): "neither `latest` nor `fetch`",
             b"x" * 100_000: "control request of 100000 bytes",
-            protocol.fetch_request(1, 0): "fetch is served only with weights.transport=tcp",
+            protocol.fetch_request(1, 7): "slot 7 does not exist",
+            protocol.fetch_request(1, 0): "version 1 is gone",
         }
         for message, expected in cases.items():
             with pytest.raises(protocol.ProtocolError, match=expected):
