@@ -15,6 +15,7 @@ import math
 import time
 from collections.abc import Iterator
 from contextlib import nullcontext
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -33,9 +34,44 @@ from dgrpo.learner.distributed import (
     contiguous_split,
     shard_model,
 )
+from dgrpo.weights.gather import DEFAULT_BUCKET_BYTES, full_tensors
 
-# Order of the per-token statistics accumulated over micro-batches (token-weighted, summed over ranks).
-_TOKEN_STATS = ("clip_frac_low", "clip_frac_high", "ratio", "kl", "entropy", "sampler_logp_diff")
+TOKEN_MEANS = ("clip_frac_low", "clip_frac_high", "ratio", "kl", "entropy", "sampler_logp_diff")
+"""Per-token statistics of the step, reported as means over the loss tokens of all ranks (StepSums fields)."""
+
+
+@dataclass
+class StepSums:
+    """What one training step adds up over this rank's micro-batches, by name.
+
+    `all_reduced` stacks the fields into one float64 tensor, sums it over ranks in a single all-reduce and reads
+    it back by field name: one collective per step, and no offsets for a metric to be read from the wrong slot.
+    """
+
+    clip_frac_low: float = 0.0
+    """This and the next five: the micro-batch's token mean x its loss tokens (TOKEN_MEANS)."""
+    clip_frac_high: float = 0.0
+    ratio: float = 0.0
+    kl: float = 0.0
+    entropy: float = 0.0
+    sampler_logp_diff: float = 0.0
+    loss_tokens: float = 0.0
+    """Completion tokens under the loss mask: what the token means divide by."""
+    loss: float = 0.0
+    """Micro-batch loss x its share of the mini-batch's denominator, summed: the sum of the mini-batch losses."""
+    pg_loss: float = 0.0
+    """The same for the policy-gradient term alone (the loss without the KL)."""
+    real_tokens: float = 0.0
+    """Tokens of the forwards' inputs, padding excluded (a shared prompt counts once)."""
+    padded_tokens: float = 0.0
+    """Tokens the forwards computed, padding included."""
+    sequence_tokens: float = 0.0
+    """Prompt + completion tokens of the sequences trained on (a shared prompt counts once per sequence)."""
+
+    def all_reduced(self, ctx: DistContext) -> StepSums:
+        names = [f.name for f in fields(self)]
+        stacked = torch.tensor([getattr(self, name) for name in names], dtype=torch.float64)
+        return StepSums(**dict(zip(names, all_reduce_sum(stacked, ctx).tolist())))
 
 
 def lr_factor(step: int, optim: OptimConfig, total_steps: int) -> float:
@@ -223,12 +259,9 @@ class Actor:
             out[row, : v.numel()] = v.to(out.device)
         return out
 
-    def update(self, seqs: list[Sequence], group_size: int) -> dict[str, float]:
-        """One training step on the global batch `seqs` (groups of `group_size`, contiguous); returns metrics.
-
-        Every rank passes the same list. Metrics are means over the step (tokens-weighted where per token).
-        """
-        cfg, algo, ctx = self.cfg, self.algo, self.ctx
+    def _mini_batches(self, seqs: list[Sequence], group_size: int) -> list[list[int]]:
+        """Indices of each mini-batch (ppo_mini_batch_size whole groups), after checking the batch can be trained."""
+        cfg, ctx = self.cfg, self.ctx
         mini = cfg.ppo_mini_batch_size * group_size
         if not seqs or len(seqs) % mini:
             raise ValueError(
@@ -237,27 +270,36 @@ class Actor:
             )
         if mini % ctx.world_size:
             raise ValueError(f"a mini-batch of {mini} sequences cannot be split over {ctx.world_size} ranks")
-        needs_sampler = algo.old_logprobs == "sampler" or algo.tis_cap is not None
+        needs_sampler = self.algo.old_logprobs == "sampler" or self.algo.tis_cap is not None
         if needs_sampler and any(s.sampler_logprobs is None for s in seqs):
             raise ValueError("algorithm.old_logprobs=sampler / tis_cap need the sampler's logprobs on every sequence")
-        minis = [list(range(i, i + mini)) for i in range(0, len(seqs), mini)]
-        shares = [self._rank_share(seqs, idx) for idx in minis]
-        local = sorted(i for share in shares for i in share)
-        updates = cfg.ppo_epochs * len(minis)
+        return [list(range(i, i + mini)) for i in range(0, len(seqs), mini)]
 
-        t0 = time.perf_counter()
+    def _frozen_logprobs(
+        self, seqs: list[Sequence], local: list[int], updates: int
+    ) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+        """Logprobs fixed for the whole step, of this rank's sequences `local`: the reference's (KL) and, when the
+        step makes several updates, the policy's before the first (the old policy of the ratio); empty if unused."""
         ref: dict[int, torch.Tensor] = {}
         if self.reference is not None:
             ref = dict(zip(local, self._local_logprobs(self.reference, [seqs[i] for i in local])))
         old: dict[int, torch.Tensor] = {}
-        if algo.old_logprobs == "recompute" and updates > 1:
+        if self.algo.old_logprobs == "recompute" and updates > 1:
             old = dict(zip(local, self._local_logprobs(self.policy, [seqs[i] for i in local])))
-        t1 = time.perf_counter()
+        return ref, old
 
-        # token stats, tokens, loss, pg, real, padded, sequence tokens
-        sums = torch.zeros(len(_TOKEN_STATS) + 6, dtype=torch.float64)
-        grad_norms = []
-        for _ in range(cfg.ppo_epochs):
+    def update(self, seqs: list[Sequence], group_size: int) -> dict[str, float]:
+        """One training step on the global batch `seqs` (groups of `group_size`, contiguous); returns metrics.
+
+        Every rank passes the same list. Metrics are means over the step (tokens-weighted where per token).
+        """
+        minis = self._mini_batches(seqs, group_size)
+        shares = [self._rank_share(seqs, idx) for idx in minis]
+        t0 = time.perf_counter()
+        ref, old = self._frozen_logprobs(seqs, sorted(i for s in shares for i in s), self.cfg.ppo_epochs * len(minis))
+        t1 = time.perf_counter()
+        sums, grad_norms = StepSums(), []
+        for _ in range(self.cfg.ppo_epochs):
             for idx, share in zip(minis, shares):
                 denom = self._denominator([seqs[i] for i in idx])
                 grad_norms.append(self._optimizer_update(seqs, share, denom, ref, old, sums))
@@ -265,27 +307,29 @@ class Actor:
         self.scheduler.step()
         self.step += 1
         t2 = time.perf_counter()
+        metrics = self._metrics(sums.all_reduced(self.ctx), seqs, grad_norms, lr)
+        metrics.update({"timing/logprob_s": t1 - t0, "timing/update_s": t2 - t1})
+        return metrics
 
-        all_reduce_sum(sums, ctx)
-        tokens = max(sums[len(_TOKEN_STATS)].item(), 1.0)
-        metrics = {f"actor/{k}": sums[j].item() / tokens for j, k in enumerate(_TOKEN_STATS)}
-        if not cfg.compute_entropy:
-            metrics.pop("actor/entropy")
+    def _metrics(self, sums: StepSums, seqs: list[Sequence], grad_norms: list[float], lr: float) -> dict[str, float]:
+        """The step's metrics from the sums over all ranks (docs/actor.md lists them)."""
+        tokens = max(sums.loss_tokens, 1.0)
+        metrics = {f"actor/{name}": getattr(sums, name) / tokens for name in TOKEN_MEANS}
+        if not self.cfg.compute_entropy:
+            del metrics["actor/entropy"]
         if any(s.sampler_logprobs is None for s in seqs):
-            metrics.pop("actor/sampler_logp_diff")
-        n = len(_TOKEN_STATS)
+            del metrics["actor/sampler_logp_diff"]
+        updates = len(grad_norms)
         metrics.update({
-            "actor/loss": sums[n + 1].item() / updates,
-            "actor/pg_loss": sums[n + 2].item() / updates,
-            "actor/grad_norm": sum(grad_norms) / len(grad_norms),
+            "actor/loss": sums.loss / updates,
+            "actor/pg_loss": sums.pg_loss / updates,
+            "actor/grad_norm": sum(grad_norms) / updates,
             "actor/lr": lr,
             "actor/updates": float(updates),
-            "actor/tokens": sums[n + 3].item(),
-            "actor/padding_frac": 1.0 - sums[n + 3].item() / max(sums[n + 4].item(), 1.0),
+            "actor/tokens": sums.real_tokens,
+            "actor/padding_frac": 1.0 - sums.real_tokens / max(sums.padded_tokens, 1.0),
             # Tokens the forwards computed per token of the sequences: < 1 when prompts are shared.
-            "actor/computed_tokens_ratio": sums[n + 4].item() / max(sums[n + 5].item(), 1.0),
-            "timing/logprob_s": t1 - t0,
-            "timing/update_s": t2 - t1,
+            "actor/computed_tokens_ratio": sums.padded_tokens / max(sums.sequence_tokens, 1.0),
         })
         return metrics
 
@@ -296,84 +340,110 @@ class Actor:
         denom: float,
         ref: dict[int, torch.Tensor],
         old: dict[int, torch.Tensor],
-        sums: torch.Tensor,
+        sums: StepSums,
     ) -> float:
-        """Forward/backward over this rank's micro-batches of one mini-batch, then one AdamW step."""
-        cfg, algo, ctx = self.cfg, self.algo, self.ctx
-        local = [seqs[i] for i in share]
-        mbs = micro_batches(
+        """Forward/backward over this rank's micro-batches of one mini-batch (gradients accumulate), then one
+        AdamW step; returns the gradient norm before clipping. `denom`: the mini-batch's loss denominator."""
+        mbs = self._train_batches([seqs[i] for i in share])
+        # FSDP runs collectives in every forward/backward: all ranks must make the same number of calls.
+        # A rank with fewer packed micro-batches repeats its last one with weight 0.
+        for k in range(all_reduce_max(len(mbs), self.ctx)):
+            real = k < len(mbs)
+            mb = mbs[min(k, len(mbs) - 1)].to(self.ctx.device)
+            mb = mb.with_indices([share[j] for j in mb.indices])  # rows -> positions in `seqs`
+            weight = self._loss_weight([seqs[i] for i in mb.indices], denom) if real else 0.0
+            logp, ent = self._forward(self.policy, mb, entropy=self.cfg.compute_entropy)  # [B, T]
+            loss, stats, mask = self._micro_loss(mb, logp, ref, old)
+            (loss * weight).backward()
+            if real:
+                self._record(sums, mb, mask, logp, ent, loss, stats, weight)
+        norm = self._clip_grad_norm()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    def _train_batches(self, local: list[Sequence]) -> list[MicroBatch]:
+        cfg = self.cfg
+        return micro_batches(
             local, packed=cfg.use_dynamic_bsz, micro_batch_size=cfg.micro_batch_size_per_device,
             max_tokens=cfg.max_tokens_per_micro_batch, pad_id=self.pad_id, share_prompts=cfg.share_prompts,
         )
-        # FSDP runs collectives in every forward/backward: all ranks must make the same number of calls.
-        # A rank with fewer packed micro-batches repeats its last one with weight 0.
-        target = all_reduce_max(len(mbs), ctx)
-        n = len(_TOKEN_STATS)
-        for k in range(target):
-            mb = mbs[min(k, len(mbs) - 1)].to(ctx.device)
-            real = k < len(mbs)
-            local_idx = [share[j] for j in mb.indices]  # positions in `seqs`
-            logp, ent = self._forward(self.policy, mb, entropy=cfg.compute_entropy)  # [B, T]
-            mask = mb.mask
-            if algo.mask_truncated:
-                mask = grpo.mask_truncated(mask, mb.truncated)
-            if algo.old_logprobs == "sampler":
-                old_logp = mb.sampler_logp
-            elif old:
-                old_logp = self._rows(old, mb.with_indices(local_idx))
-            else:
-                old_logp = logp.detach()  # one update per step: the policy before it is the policy now
-            ref_logp = self._rows(ref, mb.with_indices(local_idx)) if ref else None
-            is_w = grpo.truncated_is_weights(old_logp, mb.sampler_logp, algo.tis_cap) if algo.tis_cap else None
-            loss, stats = grpo.policy_loss(
-                logp, old_logp, mb.advantages, mask, ref_logp=ref_logp, beta=algo.beta, clip_low=algo.clip_low,
-                clip_high=algo.clip_high, agg=algo.loss_agg, max_response_length=self.max_response_length,
-                is_weights=is_w,
-            )
-            micro_denom = self._denominator([seqs[i] for i in local_idx])
-            # Share of the mini-batch's denominator; x world_size because FSDP averages gradients over ranks.
-            weight = (micro_denom / denom * ctx.world_size) if (real and denom > 0) else 0.0
-            (loss * weight).backward()
-            if not real:
-                continue
-            with torch.no_grad():
-                tok = mask.sum().double().cpu()
-                if ent is not None:
-                    stats["entropy"] = (ent * mask).sum() / mask.sum().clamp(min=1)
-                if mb.sampler_logp is not None:  # how far the sampler's policy is from the learner's (sync check)
-                    diff = (logp.detach() - mb.sampler_logp).abs()
-                    stats["sampler_logp_diff"] = (diff * mask).sum() / mask.sum().clamp(min=1)
-                for j, key in enumerate(_TOKEN_STATS):
-                    if key in stats:
-                        sums[j] += stats[key].double().cpu() * tok
-                sums[n] += tok
-                sums[n + 1] += loss.detach().double().cpu() * weight / ctx.world_size
-                sums[n + 2] += stats["pg_loss"].double().cpu() * weight / ctx.world_size
-                sums[n + 3] += mb.real_tokens
-                sums[n + 4] += mb.padded_tokens
-                sums[n + 5] += mb.sequence_tokens
+
+    def _loss_weight(self, micro: list[Sequence], denom: float) -> float:
+        """The micro-batch's share of its mini-batch's denominator, x world_size because FSDP averages gradients
+        over ranks: the weighted micro-batch losses of all ranks then sum to the mini-batch's loss."""
+        return self._denominator(micro) / denom * self.ctx.world_size if denom > 0 else 0.0
+
+    def _micro_loss(
+        self, mb: MicroBatch, logp: torch.Tensor, ref: dict[int, torch.Tensor], old: dict[int, torch.Tensor]
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+        """GRPO loss of one micro-batch (rows indexed by position in the step's batch), its statistics, and the
+        loss mask [B, T]."""
+        algo = self.algo
+        mask = grpo.mask_truncated(mb.mask, mb.truncated) if algo.mask_truncated else mb.mask
+        if algo.old_logprobs == "sampler":
+            old_logp = mb.sampler_logp
+        elif old:
+            old_logp = self._rows(old, mb)
+        else:
+            old_logp = logp.detach()  # one update per step: the policy before it is the policy now
+        ref_logp = self._rows(ref, mb) if ref else None
+        is_w = grpo.truncated_is_weights(old_logp, mb.sampler_logp, algo.tis_cap) if algo.tis_cap else None
+        loss, stats = grpo.policy_loss(
+            logp, old_logp, mb.advantages, mask, ref_logp=ref_logp, beta=algo.beta, clip_low=algo.clip_low,
+            clip_high=algo.clip_high, agg=algo.loss_agg, max_response_length=self.max_response_length,
+            is_weights=is_w,
+        )
+        return loss, stats, mask
+
+    @torch.no_grad()
+    def _record(
+        self, sums: StepSums, mb: MicroBatch, mask: torch.Tensor, logp: torch.Tensor, ent: torch.Tensor | None,
+        loss: torch.Tensor, stats: dict[str, torch.Tensor], weight: float,
+    ) -> None:
+        """Add one real micro-batch to the step's sums: token means weighted by its loss tokens, the loss and
+        pg_loss by its share of the mini-batch's (per rank: the weight's x world_size undone)."""
+        tokens = mask.sum().clamp(min=1)
+        if ent is not None:
+            stats["entropy"] = (ent * mask).sum() / tokens
+        if mb.sampler_logp is not None:  # how far the sampler's policy is from the learner's (sync check)
+            stats["sampler_logp_diff"] = ((logp.detach() - mb.sampler_logp).abs() * mask).sum() / tokens
+        means = [name for name in TOKEN_MEANS if name in stats]
+        # One device->host copy per micro-batch (a sync point on accelerators).
+        tok, loss_v, pg_v, *values = torch.stack(
+            [t.double() for t in (mask.sum(), loss.detach(), stats["pg_loss"], *(stats[n] for n in means))]
+        ).cpu().tolist()
+        for name, value in zip(means, values):
+            setattr(sums, name, getattr(sums, name) + value * tok)
+        sums.loss_tokens += tok
+        sums.loss += loss_v * weight / self.ctx.world_size
+        sums.pg_loss += pg_v * weight / self.ctx.world_size
+        sums.real_tokens += mb.real_tokens
+        sums.padded_tokens += mb.padded_tokens
+        sums.sequence_tokens += mb.sequence_tokens
+
+    def _clip_grad_norm(self) -> float:
+        """Total gradient norm over all ranks' shards, before clipping to optim.grad_clip (none: only measured)."""
         max_norm = self.optim_cfg.grad_clip if self.optim_cfg.grad_clip is not None else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), max_norm)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
         return float(norm)
 
     # ---- weights out ----------------------------------------------------------------------------------
 
-    def named_weights(self, dtype: torch.dtype = torch.bfloat16) -> Iterator[tuple[str, torch.Tensor]]:
-        """(Hugging Face name, full tensor on CPU in `dtype`) of every policy parameter, for publishing.
+    def named_weights(
+        self, dtype: torch.dtype = torch.bfloat16, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """(Hugging Face name, full tensor on CPU in `dtype`) of every policy parameter, for publishing, lazily.
 
-        Every rank must iterate it (under FSDP2 each tensor is all-gathered with `full_tensor()`, one
-        parameter at a time, so peak extra memory is one full tensor); only rank 0 receives the pairs, the
-        others iterate nothing. Tied weights appear once (e.g. lm_head tied to embed_tokens), as in the
-        model's safetensors.
+        Every rank must iterate it: under FSDP2 the full tensors are all-gathered in buckets of about
+        `bucket_bytes` (weights.gather_bucket_mb), the all-gathers of a bucket overlapping and each shard cast to
+        `dtype` before its gather (dgrpo.weights.gather; benchmarks/bench_gather.py measures it against one
+        blocking gather per parameter), so peak extra memory is one bucket. Only rank 0 receives the pairs, the
+        others iterate nothing. Tied weights appear once (e.g. lm_head tied to embed_tokens), as in the model's
+        safetensors.
         """
-        for name, param in self.policy.named_parameters():
-            t = param.detach()
-            if isinstance(t, DTensor):
-                t = t.full_tensor()
+        for name, tensor in full_tensors(self.policy, bucket_bytes=bucket_bytes, dtype=dtype):
             if self.ctx.is_main:
-                yield name, t.to(device="cpu", dtype=dtype)
-
+                yield name, tensor.to(device="cpu")

@@ -131,7 +131,12 @@ def all_reduce_max(value: int, ctx: DistContext) -> int:
 
 
 def all_reduce_sum(values: torch.Tensor, ctx: DistContext) -> torch.Tensor:
-    """Sum a small tensor of metrics over ranks (in place when distributed)."""
-    if ctx.distributed:
-        dist.all_reduce(values, op=dist.ReduceOp.SUM)
+    """Sum a small tensor of metrics over ranks, in place. nccl / hccl reduce device tensors only: a host tensor
+    goes through the device and back (two small copies, as all_reduce_max)."""
+    if not ctx.distributed:
+        return values
+    on_device = values if ctx.backend == "gloo" else values.to(ctx.device)
+    dist.all_reduce(on_device, op=dist.ReduceOp.SUM)
+    if on_device is not values:
+        values.copy_(on_device)
     return values

@@ -331,7 +331,8 @@ class Trainer:
         # Seeded by run seed and version, so a rerun publishes the same bits.
         gather_dtype, cast = publish_cast(getattr(torch, self.cfg.model.dtype), self.cfg.weights.rounding,
                                           seed=self.lc.trainer.seed * 1_000_003 + self.version)
-        named = ((name, cast(t)) for name, t in self.actor.named_weights(dtype=gather_dtype))
+        bucket_bytes = self.cfg.weights.gather_bucket_mb << 20
+        named = ((name, cast(t)) for name, t in self.actor.named_weights(gather_dtype, bucket_bytes))
         if self.ctx.is_main:
             self.publisher.publish(named, self.version)
         else:

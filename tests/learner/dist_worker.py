@@ -67,11 +67,15 @@ def main(model_dir: str, out_dir: str) -> None:
         for scenario in SCENARIOS:
             actor = make_actor(model_dir, scenario, ctx)
             metrics = actor.update(make_seqs(), GROUP)
-            weights = dict(actor.named_weights(torch.float32))  # every rank iterates: the gathers are collective
+            # Every rank iterates: the gathers are collective. The default bucket holds the whole tiny model; 64 KB
+            # buckets cut it into many, of one to several tensors each.
+            weights = dict(actor.named_weights(torch.float32))
+            small_buckets = dict(actor.named_weights(torch.bfloat16, bucket_bytes=64 << 10))
             if ctx.is_main:
-                torch.save({"weights": weights, "metrics": metrics}, out / f"{scenario}.pt")
+                torch.save({"weights": weights, "small_buckets": small_buckets, "metrics": metrics},
+                           out / f"{scenario}.pt")
             else:
-                assert weights == {}
+                assert weights == {} and small_buckets == {}
         save_checkpoint(actor, CheckpointConfig(dir=str(out / "ckpt")), step=1, extra={"position": 7})
         export_hf(actor, out / "export")
     finally:

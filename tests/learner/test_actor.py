@@ -109,6 +109,74 @@ def test_first_update_is_on_policy(tiny_model):
     assert m2["actor/kl"] > 0  # the policy has moved away from the frozen reference
 
 
+def test_every_metric_equals_an_independent_computation(tiny_model):
+    """Each metric of one update against the same quantity computed here from plain per-sequence forwards, with
+    inputs chosen so that all of them differ: a metric read from another's slot cannot pass.
+
+    Sampler logprobs are the policy's shifted per token by -0.5 / 0 / +0.5 (ratios e^0.5, 1, e^-0.5: both clips
+    active), the reference is perturbed (KL > 0), two padded micro-batches of 4 (loss weighting, padding)."""
+    temperature, beta = 0.7, 0.5
+    actor = make_actor(tiny_model, temperature=temperature, algorithm={"beta": beta, "old_logprobs": "sampler"})
+    cfg = actor.algo
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in actor.reference.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+
+    def plain(model, s):  # [C, V] log-probabilities of the positions predicting completion tokens
+        ids = torch.tensor([s.prompt_ids + s.completion_ids])
+        logits = model(input_ids=ids).logits[0, len(s.prompt_ids) - 1 : -1].float() / temperature
+        return torch.log_softmax(logits, -1)
+
+    seqs, pg, kl, ratio, low, high, ent, diff = [], [], [], [], [], [], [], []
+    for s in make_seqs(8):
+        log_probs = plain(actor.policy, s)  # with grad: the gradient norm below
+        logp = log_probs.gather(-1, torch.tensor(s.completion_ids)[:, None])[:, 0]  # [C]
+        with torch.no_grad():
+            ref = plain(actor.reference, s).gather(-1, torch.tensor(s.completion_ids)[:, None])[:, 0]
+        shift = torch.tensor([(0.5, 0.0, -0.5, 0.5)[(t + len(seqs)) % 4] for t in range(len(logp))])
+        sampler = logp.detach() - shift
+        seqs.append(Sequence(s.prompt_ids, s.completion_ids, s.advantage, sampler.tolist()))
+        r = torch.exp(logp - sampler)  # PPO ratio against the behaviour (sampler) policy
+        a = s.advantage
+        pg.append(torch.maximum(-a * r, -a * r.clamp(1 - cfg.clip_low, 1 + cfg.clip_high)))
+        kl.append(torch.exp(ref - logp) - (ref - logp) - 1)  # k3
+        ratio.append(r.detach())
+        low.append(((r < 1 - cfg.clip_low) & (a < 0)).float())
+        high.append(((r > 1 + cfg.clip_high) & (a > 0)).float())
+        ent.append(-(log_probs.exp() * log_probs).sum(-1).detach())
+        diff.append(shift.abs())
+    pg, kl = torch.cat(pg), torch.cat(kl)
+    loss = (pg + beta * kl).mean()  # token-mean over the one mini-batch
+    loss.backward()
+    grad_norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in actor.policy.parameters())).item()
+    actor.optimizer.zero_grad(set_to_none=True)
+    lengths = [len(s) for s in seqs]
+    padded = sum(len(chunk) * max(chunk) for chunk in (lengths[:4], lengths[4:]))
+    want = {
+        "actor/clip_frac_low": torch.cat(low).mean().item(),
+        "actor/clip_frac_high": torch.cat(high).mean().item(),
+        "actor/ratio": torch.cat(ratio).mean().item(),
+        "actor/kl": kl.mean().item(),
+        "actor/entropy": torch.cat(ent).mean().item(),
+        "actor/sampler_logp_diff": torch.cat(diff).mean().item(),
+        "actor/loss": loss.item(),
+        "actor/pg_loss": pg.mean().item(),
+        "actor/grad_norm": grad_norm,
+        "actor/lr": 1e-3,
+        "actor/updates": 1.0,
+        "actor/tokens": float(sum(lengths)),
+        "actor/padding_frac": 1 - sum(lengths) / padded,
+        "actor/computed_tokens_ratio": padded / sum(lengths),
+    }
+    values = [round(v, 6) for v in want.values()]
+    assert len(set(values)) == len(values), want  # all distinct: a swap of any two would show
+    got = actor.update(seqs, group_size=4)
+    assert set(got) == set(want) | {"timing/logprob_s", "timing/update_s"}
+    for key, value in want.items():
+        assert got[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+
+
 def test_later_mini_batches_are_off_policy(tiny_model):
     actor = make_actor(tiny_model, actor={"ppo_mini_batch_size": 1, "ppo_epochs": 2})
     m = actor.update(make_seqs(8), group_size=4)

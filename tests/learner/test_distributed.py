@@ -59,7 +59,13 @@ def test_two_gloo_ranks_equal_one_process(two_rank_run, tiny_model, scenario):
     for name, tensor in after.items():
         # 3% of lr: Adam turns float noise in ~0 gradients (reduction order differs) into visible steps.
         torch.testing.assert_close(dist["weights"][name], tensor, atol=3e-5, rtol=1e-4, msg=name)
-    for key in ("actor/loss", "actor/kl", "actor/ratio", "actor/clip_frac_high", "actor/grad_norm"):
+        # Shards cast before their gather, in other buckets: the same bits as the gathered fp32 tensor cast.
+        small = dist["small_buckets"][name]
+        assert small.dtype == torch.bfloat16 and torch.equal(small, dist["weights"][name].to(torch.bfloat16)), name
+    assert list(dist["small_buckets"]) == list(after)
+    # Every metric: the two ranks' sums travel in one all-reduce and are read back by name.
+    assert set(dist["metrics"]) == set(metrics)
+    for key in metrics.keys() - {"timing/logprob_s", "timing/update_s"}:
         assert dist["metrics"][key] == pytest.approx(metrics[key], abs=1e-5, rel=1e-4), key
 
 
