@@ -47,4 +47,5 @@ class WeightSyncConfig(StrictConfig):
     updates far below bf16's step (lr 1e-5 vs ~1e-4) still reach the sampler; nearest drops them and the bf16
     sampler lags the learner (weights/rounding.py has the measurement). Costs ~0.2 s per 135M parameters."""
     gather_bucket_mb: int = Field(default=512, ge=1)
-    """Sharded (FSDP2) learner: full tensors are gathered in buckets of about this many MB (peak extra memory)."""
+    """Sharded (FSDP2) learner: each publish all-gathers the full tensors in buckets of about this many MB, the gathers
+    of a bucket overlapping (Actor.named_weights, weights/gather.py); peak extra memory is one bucket."""
