@@ -14,7 +14,9 @@ or none does (collective_rpc returns only when every worker has answered):
    so a corrupt version is refused while the old weights keep serving.
 2. `phase="apply"` (generation paused): vLLM's layerwise reload (`initialize_layerwise_reload` -> `load_weights`
    -> `finalize_layerwise_reload`) straight from the slot, then the seqlock check: a rewrite that overlapped the
-   load raises, and the caller loads the newest version before it resumes generation.
+   load raises, and the caller loads another version before it resumes generation.
+A streamed version (announced while the learner still writes it) skips 1: `apply` reads each tensor as soon as it
+is written and checks its checksum first, so the learner's write and this load overlap.
 A raw `load_weights` on a running engine is wrong: vLLM-CPU repacks linear weights after the first load (the
 parameter becomes size 0) and MoE kernels on GPU keep processed layouts; the layerwise reload restores the
 checkpoint-format parameters, loads, and re-runs the post-load processing.
@@ -63,6 +65,7 @@ class SlotUpdateInfo(WeightTransferUpdateInfo):
     seq: int
     manifest_xxh3: int
     verify: bool = True
+    stall_timeout_s: float = 60.0
 
 
 class SlotTransferEngine(WeightTransferEngine[SlotInitInfo, SlotUpdateInfo]):
@@ -116,7 +119,7 @@ class SlotTransferEngine(WeightTransferEngine[SlotInitInfo, SlotUpdateInfo]):
 
     # --- the two phases ---
 
-    def _stage(self, info: SlotUpdateInfo) -> None:
+    def _open(self, info: SlotUpdateInfo) -> None:
         from dgrpo.weights.shm import open_readonly
         from dgrpo.weights.slot import SlotReader, WeightIntegrityError
 
@@ -126,27 +129,39 @@ class SlotTransferEngine(WeightTransferEngine[SlotInitInfo, SlotUpdateInfo]):
         except FileNotFoundError:
             raise WeightIntegrityError(f"slot {info.path} no longer exists (learner gone?)") from None
         try:
-            reader = SlotReader(mapped, info.version, info.seq, info.manifest_xxh3)
-            self._staged = (reader, mapped)
+            self._staged = (SlotReader(mapped, info.version, info.seq, info.manifest_xxh3, info.stall_timeout_s),
+                            mapped)
+        except BaseException:
+            _close(mapped)
+            raise
+
+    def _stage(self, info: SlotUpdateInfo) -> None:
+        self._open(info)
+        reader = self._staged[0]
+        try:
             if info.verify:
                 reader.verify()
             reader.check_intact()  # what was verified is still what the slot holds
         except BaseException:
             self._release()
-            _close(mapped)
             raise
 
     def _apply(self, info: SlotUpdateInfo) -> None:
+        """Load the staged version; a streamed one (odd seq: still being written) is opened here and each tensor is
+        verified as it is read. Any failure from here on may leave the model mixed: it raises TornLoad."""
         from dgrpo.weights.slot import WeightIntegrityError
         from dgrpo.weights.subscriber import TornLoad
 
-        if self._staged is None or self._staged[0].version != info.version:
+        streamed = info.seq % 2 == 1
+        if streamed:
+            self._open(info)
+        elif self._staged is None or self._staged[0].version != info.version:
             staged = self._staged[0].version if self._staged else None
             raise RuntimeError(f"apply of weight version {info.version}: the staged version is {staged}")
         reader = self._staged[0]
-        with torch.no_grad():
-            self._reload(reader.tensors())
         try:
+            with torch.no_grad():
+                self._reload(reader.tensors(verify=streamed and info.verify))
             reader.check_intact()
         except WeightIntegrityError as e:
             raise TornLoad(str(e)) from None

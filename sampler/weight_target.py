@@ -5,6 +5,7 @@ It drives vLLM's weight-transfer contract with our `dgrpo_shm` engine (sampler/v
     start_weight_update -> update_weights(stage)        generation running: open + verify in place
     pause_generation(weights.pause_mode)
       update_weights(apply)                            layerwise reload from the slot + overlap check
+                                                       (streamed: no stage; each tensor checked as it is read)
       finish_weight_update(version)                    vLLM records the version too
       reset_prefix_cache                               KV blocks of the old weights are never reused
       engine.set_weight_version                        requests fenced on the version go
@@ -48,9 +49,7 @@ class EngineWeightTarget:
         await self.engine.llm.init_weight_transfer_engine(WeightTransferInitRequest(transfer_engine_init_info()))
 
     async def stage(self, ref: SlotRef) -> None:
-        await self._close_session()
-        await self.engine.llm.start_weight_update()
-        self._session = True
+        await self._open_session()
         try:
             await self._update("stage", ref)
         except BaseException:
@@ -69,6 +68,8 @@ class EngineWeightTarget:
             await llm.resume_generation()
 
     async def apply(self, ref: SlotRef) -> None:
+        if ref.streamed:
+            await self._open_session()
         try:
             await self._update("apply", ref)
         except BaseException:
@@ -96,7 +97,9 @@ class EngineWeightTarget:
                     raise kind(message.split(mark, 1)[1]) from None
             raise
 
-    async def _close_session(self) -> None:
+    async def _open_session(self) -> None:
         if self._session:  # a staged version that was never applied (superseded)
             self._session = False
             await self.engine.llm.finish_weight_update()
+        await self.engine.llm.start_weight_update()
+        self._session = True

@@ -34,13 +34,20 @@ class WeightSyncConfig(StrictConfig):
     weights first, so every completion comes from exactly one version (its weight_version is exact). keep: freeze
     in-flight requests and continue them on the new weights (faster swap; such completions span two versions).
     abort: drop in-flight requests."""
+    stream: bool = True
+    """shm transport: announce a version when its write begins, and let samplers load each tensor as soon as it is
+    written (checked against its checksum first), so the learner's write and the samplers' load overlap instead of
+    running one after the other. A sampler then pauses generation for the whole write; off: announce complete
+    versions only (generation pauses for the load alone). Needs the tensor layout up front: the learner gives it;
+    a publish of a lazy iterable without `layout=` is never streamed."""
     verify_checksums: bool = True
     """Check every tensor's xxh3-64 checksum before loading (about 15 GB/s); a mismatch rejects the version."""
     catch_up_timeout_s: float = Field(default=2.0, ge=0)
     """At start, how long a sampler waits for the learner to name its latest version (no learner yet: serve the
     initial checkpoint and take versions as they are announced)."""
     fetch_timeout_s: float = Field(default=60.0, gt=0)
-    """tcp transport: bound on fetching one version's bytes."""
+    """Bound on receiving one version's bytes: a tcp fetch, or a streamed write that makes no progress that long
+    (the learner died mid-write: the sampler then goes back to the version it had)."""
     rounding: Literal["stochastic", "nearest"] = "stochastic"
     """How the learner's fp32 master weights become bf16 published weights (model.dtype bfloat16; other dtypes
     round to nearest). stochastic: each weight rounds up or down with the odds that keep it right on average, so

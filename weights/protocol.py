@@ -66,6 +66,9 @@ def decode_announcement(frames: list[bytes]) -> pb.WeightAnnouncement:
         raise ProtocolError(f"announcement of version {ann.version}: unknown transport {ann.transport}")
     if ann.transport == pb.WEIGHT_TRANSPORT_SHM and (not ann.segment or "/" in ann.segment):
         raise ProtocolError(f"announcement of version {ann.version}: segment {ann.segment!r} is not a file name")
+    if ann.streaming and (ann.seq % 2 == 0 or ann.transport != pb.WEIGHT_TRANSPORT_SHM):
+        raise ProtocolError(f"announcement of version {ann.version}: streaming needs the shm transport and an odd "
+                            f"seq (got seq {ann.seq})")
     if ann.manifest.version != ann.version or not ann.manifest.tensors:
         raise ProtocolError(f"announcement of version {ann.version}: its manifest holds version "
                             f"{ann.manifest.version} with {len(ann.manifest.tensors)} tensors")

@@ -22,7 +22,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Iterable
+from collections.abc import ItemsView, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,7 +33,7 @@ from dgrpo.weights import protocol
 from dgrpo.weights.config import WeightSyncConfig
 from dgrpo.weights.protocol import Announcement, ProtocolError
 from dgrpo.weights.shm import RUN_ID, MemorySegment, ShmSegment, owner_tag, reclaim_stale
-from dgrpo.weights.slot import SlotWriter, dtype_name
+from dgrpo.weights.slot import SlotWriter, WrittenSlot, dtype_name
 
 log = logging.getLogger(__name__)
 
@@ -115,8 +115,12 @@ class WeightPublisher:
 
     # --- publishing ---
 
-    def publish(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> PublishStats:
-        """Write `named_tensors` (HF checkpoint names) as `version` and announce it. Versions must increase."""
+    def publish(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
+                layout: list[tuple[str, list[int]]] | None = None) -> PublishStats:
+        """Write `named_tensors` (HF checkpoint names) as `version` and announce it. Versions must increase.
+
+        `layout` ([(name, shape)] in iteration order) lets a lazy iterable be streamed (`weights.stream`); a list or
+        a dict's items give their own."""
         if self._finalizer.alive is False:
             raise RuntimeError("publish() after close()")
         last = self.latest_version
@@ -124,15 +128,21 @@ class WeightPublisher:
             raise ValueError(f"publish(version={version}): versions must increase (last published {last})")
         t0 = time.perf_counter()
         slot = 0 if self._latest is None else 1 - self._latest.slot
+        if layout is None and isinstance(named_tensors, (list, tuple, ItemsView)):
+            named_tensors = list(named_tensors)
+            layout = [(name, list(t.shape)) for name, t in named_tensors]
+        stream = self.cfg.stream and self.cfg.transport == "shm" and layout is not None
         with self._slots.locks[slot]:
             self._slots.announced[slot] = None
-            written = self._slots.writers[slot].write(named_tensors, version, self.dtype, self.run_id)
-            seg = self._slots.segments[slot]
-            announcement = protocol.announcement(
-                self.run_id, version, slot=slot, seq=written.seq, transport=protocol.TRANSPORTS[self.cfg.transport],
-                segment=seg.path.name if isinstance(seg, ShmSegment) else "", nbytes=written.nbytes,
-                manifest_xxh3=written.manifest_xxh3, manifest=written.manifest,
-            )
+            writer = self._slots.writers[slot]
+            if stream:
+                def started(head: WrittenSlot) -> None:
+                    self._announce(self._announcement(version, slot, head, streaming=True))
+
+                written = writer.write_streamed(layout, named_tensors, version, self.dtype, self.run_id, started)
+            else:
+                written = writer.write(named_tensors, version, self.dtype, self.run_id)
+            announcement = self._announcement(version, slot, written)
             self._slots.announced[slot] = announcement
         t1 = time.perf_counter()
         if self._latest is None:
@@ -140,14 +150,25 @@ class WeightPublisher:
                      self.cfg.shm_dir if self.cfg.transport == "shm" else "learner memory, served over tcp",
                      len(written.manifest.tensors), self.dtype)
         self._latest = announcement
-        with self._announce_lock:
-            self._announce_tx.send(announcement.SerializeToString())
+        self._announce(announcement)
         t2 = time.perf_counter()
         stats = PublishStats(version, slot, written.nbytes, len(written.manifest.tensors),
                              write_s=t1 - t0, announce_s=t2 - t1, total_s=t2 - t0)
         log.info("published weights v%d to slot %d: %.1f MB in %.3fs (%.1f GB/s)", version, slot,
                  stats.nbytes / 1e6, stats.total_s, stats.write_gbps)
         return stats
+
+    def _announcement(self, version: int, slot: int, written: WrittenSlot, streaming: bool = False) -> Announcement:
+        seg = self._slots.segments[slot]
+        return protocol.announcement(
+            self.run_id, version, slot=slot, seq=written.seq, transport=protocol.TRANSPORTS[self.cfg.transport],
+            segment=seg.path.name if isinstance(seg, ShmSegment) else "", nbytes=written.nbytes,
+            manifest_xxh3=written.manifest_xxh3, manifest=written.manifest, streaming=streaming,
+        )
+
+    def _announce(self, announcement: Announcement) -> None:
+        with self._announce_lock:
+            self._announce_tx.send(announcement.SerializeToString())
 
     @property
     def latest_version(self) -> int:

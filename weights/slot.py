@@ -18,8 +18,9 @@ reordered on x86-64 (TSO); on weakly ordered CPUs (ARM) a fence would be needed 
 from __future__ import annotations
 
 import struct
+import time
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -29,11 +30,16 @@ import xxhash
 
 from dgrpo.weights.protocol import Manifest
 
-MAGIC = b"DGRPOW02"  # 02: the manifest is a WeightManifest message (01: JSON)
-HEADER = struct.Struct("<8sQQQQQQ")  # magic, seq, version, manifest_off, manifest_len, manifest_xxh, data_end
+MAGIC = b"DGRPOW03"  # 03: streamed writes (progress + checksum table); 02: protobuf manifest; 01: JSON
+# magic, seq, version, manifest_off, manifest_len, manifest_xxh, data_end, progress, table_off
+HEADER = struct.Struct("<8sQQQQQQQQ")
 HEADER_BYTES = 4096
 ALIGN = 64
 SEQ_OFFSET = 8  # byte offset of `seq` inside the header
+MANIFEST_XXH_OFFSET = 40
+PROGRESS_OFFSET = 56  # byte offset of `progress` (tensors complete so far) inside the header
+ABORTED = (1 << 64) - 1  # `progress` of a streamed write that failed half-way (the slot holds no version)
+UNKNOWN_XXH3 = (1 << 64) - 1  # a streamed manifest's checksum until its tensor is written (same encoded length)
 
 DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
@@ -86,6 +92,8 @@ class Header:
     manifest_len: int
     manifest_xxh: int
     data_end: int
+    progress: int
+    table_off: int
 
     @property
     def used_bytes(self) -> int:
@@ -101,6 +109,10 @@ def read_header(buf) -> Header:
 
 def read_seq(buf) -> int:
     return struct.unpack_from("<Q", buf, SEQ_OFFSET)[0]
+
+
+def read_progress(buf) -> int:
+    return struct.unpack_from("<Q", buf, PROGRESS_OFFSET)[0]
 
 
 @dataclass
@@ -129,47 +141,101 @@ class SlotWriter:
         struct.pack_into("<Q", buf, SEQ_OFFSET, self.seq)
         struct.pack_into("<8s", buf, 0, MAGIC)
         manifest = Manifest(run_id=run_id, version=version, dtype=dtype)
-        offset = self._write_tensors(named_tensors, target, dtype, manifest, HEADER_BYTES)
+        offset = HEADER_BYTES
+        for name, tensor in named_tensors:
+            nbytes = tensor.numel() * target.itemsize
+            xxh = self._copy(tensor, target, offset, nbytes)
+            manifest.tensors.add(name=name, dtype=dtype, shape=list(tensor.shape), offset=offset, nbytes=nbytes,
+                                 xxh3=xxh)
+            offset = _align(offset + nbytes)
         if not manifest.tensors:
             raise ValueError(f"publish(version={version}): no tensors given")
         raw = manifest.SerializeToString()
         buf = self._ensure(offset + len(raw))
         buf[offset:offset + len(raw)] = raw
-        HEADER.pack_into(buf, 0, MAGIC, self.seq, version, offset, len(raw), checksum(raw), offset)
+        HEADER.pack_into(buf, 0, MAGIC, self.seq, version, offset, len(raw), checksum(raw), offset, 0, 0)
         self.seq += 1  # even: complete
         struct.pack_into("<Q", buf, SEQ_OFFSET, self.seq)
         return WrittenSlot(self.seq, offset + len(raw), checksum(raw), manifest)
 
-    def _write_tensors(self, named_tensors, target: torch.dtype, dtype: str, manifest: Manifest, offset: int) -> int:
-        for name, tensor in named_tensors:
-            tensor = tensor.detach()
-            nbytes = tensor.numel() * target.itemsize
-            buf = self._ensure(offset + nbytes)
-            dst = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=offset)
-            with one_thread():  # one pass: device->host, cast to the sampler's dtype, copy into the slot
-                dst.view(target).view(tensor.shape).copy_(tensor)
-            manifest.tensors.add(name=name, dtype=dtype, shape=list(tensor.shape), offset=offset, nbytes=nbytes,
-                                 xxh3=checksum(memoryview(buf)[offset:offset + nbytes]))
+    def write_streamed(self, layout: list[tuple[str, list[int]]], named_tensors: Iterable[tuple[str, torch.Tensor]],
+                       version: int, dtype: str, run_id: str, on_started: Callable[[WrittenSlot], None]) -> WrittenSlot:
+        """Like `write`, but the layout is fixed first and `on_started` is called before any tensor is written, so
+        readers can load each tensor as soon as it is complete (`SlotReader(streamed=True)`): the slot holds the
+        manifest (checksums UNKNOWN_XXH3) from the start, a table of per-tensor checksums, and `progress`, the count of
+        tensors complete. `seq` stays odd until the last tensor is in. A write that fails half-way marks the slot
+        ABORTED (version 0), so waiting readers give up at once."""
+        target = DTYPES[dtype]
+        manifest = Manifest(run_id=run_id, version=version, dtype=dtype)
+        table_off = HEADER_BYTES
+        offset = _align(table_off + 8 * len(layout))
+        for name, shape in layout:
+            nbytes = int(np.prod(shape)) * target.itemsize if len(shape) else target.itemsize
+            manifest.tensors.add(name=name, dtype=dtype, shape=list(shape), offset=offset, nbytes=nbytes,
+                                 xxh3=UNKNOWN_XXH3)
             offset = _align(offset + nbytes)
-        return offset
+        if not manifest.tensors:
+            raise ValueError(f"publish(version={version}): no tensors given")
+        raw = manifest.SerializeToString()  # fixed64 placeholders: filling the checksums in keeps the length
+        buf = self._ensure(offset + len(raw))
+        self.seq += 1
+        struct.pack_into("<Q", buf, SEQ_OFFSET, self.seq)
+        buf[offset:offset + len(raw)] = raw
+        HEADER.pack_into(buf, 0, MAGIC, self.seq, version, offset, len(raw), checksum(raw), offset, 0, table_off)
+        on_started(WrittenSlot(self.seq, offset + len(raw), checksum(raw), Manifest.FromString(raw)))
+        try:
+            for i, (entry, (name, tensor)) in enumerate(zip(manifest.tensors, named_tensors, strict=True)):
+                if name != entry.name or list(tensor.shape) != list(entry.shape):
+                    raise ValueError(f"publish(version={version}): tensor {i} is {name} {list(tensor.shape)}, "
+                                     f"the layout said {entry.name} {list(entry.shape)}")
+                entry.xxh3 = self._copy(tensor, target, entry.offset, entry.nbytes)
+                struct.pack_into("<Q", buf, table_off + 8 * i, entry.xxh3)
+                struct.pack_into("<Q", buf, PROGRESS_OFFSET, i + 1)  # after the data and its checksum (x86 TSO)
+        except BaseException:
+            struct.pack_into("<QQ", buf, SEQ_OFFSET, self.seq, 0)  # version 0: the slot holds nothing
+            struct.pack_into("<Q", buf, PROGRESS_OFFSET, ABORTED)
+            self.seq += 1
+            struct.pack_into("<Q", buf, SEQ_OFFSET, self.seq)
+            raise
+        final = manifest.SerializeToString()
+        assert len(final) == len(raw), "fixed64 checksums keep the manifest's length"
+        buf[offset:offset + len(final)] = final
+        struct.pack_into("<Q", buf, MANIFEST_XXH_OFFSET, checksum(final))
+        self.seq += 1  # even: complete
+        struct.pack_into("<Q", buf, SEQ_OFFSET, self.seq)
+        return WrittenSlot(self.seq, offset + len(final), checksum(final), manifest)
+
+    def _copy(self, tensor: torch.Tensor, target: torch.dtype, offset: int, nbytes: int) -> int:
+        """Copy one tensor into the slot at `offset`; its xxh3 as stored."""
+        buf = self._ensure(offset + nbytes)
+        dst = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=offset)
+        with one_thread():  # one pass: device->host, cast to the sampler's dtype, copy into the slot
+            dst.view(target).view(tensor.shape).copy_(tensor.detach())
+        return checksum(memoryview(buf)[offset:offset + nbytes])
 
 
 class SlotReader:
-    """Reads one announced version in place (no copy): opens it only if complete and untorn, verifies it, hands out
-    tensor views, and tells afterwards whether a write overlapped the read.
+    """Reads one announced version in place (no copy): opens it only if complete and untorn (or, streamed, being
+    written as announced), verifies it, hands out tensor views, and tells afterwards whether a write overlapped.
 
     The caller keeps generation paused from the first byte loaded until `check_intact()` passed: a version whose
     slot was rewritten during the load is then never served (it loads the newest version instead). Reading in place
     costs no model-size private buffer per worker and no copy; the seqlock check moves from "before using the copy"
     to "after loading".
+
+    Streamed (the announced `seq` is odd: the learner announced the version when its write began): `tensors()`
+    waits for each tensor to be complete (bounded by `stall_timeout_s` without progress) and checks it against the
+    slot's checksum table before handing it out; `check_intact()` waits for the write to finish.
     """
 
-    def __init__(self, buf, version: int, seq: int, manifest_xxh3: int):
-        self.buf, self.version, self.seq = buf, version, seq
+    def __init__(self, buf, version: int, seq: int, manifest_xxh3: int, stall_timeout_s: float = 60.0):
+        self.buf, self.version, self.seq, self.stall_timeout_s = buf, version, seq, stall_timeout_s
+        self.streamed = seq % 2 == 1
+        self.final_seq = seq + 1 if self.streamed else seq
         seq_now = read_seq(buf)
-        if seq_now % 2:
+        if not self.streamed and seq_now % 2:
             raise WeightIntegrityError(f"version {version}: slot is being rewritten (seq {seq_now} odd); torn read")
-        if seq_now != seq:
+        if seq_now not in (seq, self.final_seq):
             raise WeightIntegrityError(f"version {version}: slot was overwritten (seq {seq_now}, announced {seq})")
         header = read_header(buf)
         if header.version != version:
@@ -178,11 +244,17 @@ class SlotReader:
             raise WeightIntegrityError(
                 f"version {version}: slot header names {header.used_bytes} bytes, the mapping has {len(buf)}")
         raw = bytes(memoryview(buf)[header.manifest_off:header.manifest_off + header.manifest_len])
-        if checksum(raw) != header.manifest_xxh or header.manifest_xxh != manifest_xxh3:
+        # A streamed slot that finished meanwhile holds the final manifest (checksums filled in), not the announced.
+        announced_only = seq_now == seq
+        if checksum(raw) != header.manifest_xxh or (announced_only and header.manifest_xxh != manifest_xxh3):
             raise WeightIntegrityError(f"version {version}: manifest checksum mismatch")
-        self.check_intact()  # the header and manifest just read belong to `seq`
+        if read_seq(buf) not in (seq, self.final_seq):  # the header and manifest just read belong to this write
+            raise WeightIntegrityError(f"version {version}: a write overlapped opening the slot; torn read")
         self.manifest = Manifest.FromString(raw)
         _check_bounds(self.manifest, header.data_end)
+        if self.streamed and header.table_off + 8 * len(self.manifest.tensors) > header.data_end:
+            raise WeightIntegrityError(f"version {version}: the checksum table lies outside the slot")
+        self._table_off = header.table_off
         self._data = np.frombuffer(buf, dtype=np.uint8, count=header.used_bytes)
 
     def release(self) -> None:
@@ -190,27 +262,60 @@ class SlotReader:
         self._data = None
 
     def check_intact(self) -> None:
-        """Raise if a write started since the slot was opened (everything read since may be torn)."""
+        """Raise if a write started since the slot was opened (everything read since may be torn). Streamed: first
+        wait for the write to finish."""
+        if self.streamed:
+            self._wait_written(len(self.manifest.tensors), final=True)
         seq_now = read_seq(self.buf)
-        if seq_now != self.seq:
+        if seq_now != self.final_seq or read_header(self.buf).version != self.version:
             raise WeightIntegrityError(f"version {self.version}: a write overlapped the read "
                                        f"(seq {self.seq} -> {seq_now}); torn read rejected")
 
     def verify(self) -> None:
         """Recompute every tensor's checksum; raise naming the first bad tensor."""
         for t in self.manifest.tensors:
-            got = checksum(self._data[t.offset:t.offset + t.nbytes])
-            if got != t.xxh3:
-                raise WeightIntegrityError(
-                    f"version {self.version}: checksum mismatch in {t.name} ({got:#x} != {t.xxh3:#x})")
+            self._verify_one(t, t.xxh3)
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, read-only tensor view), in slot order. Loaders copy from them; nobody may write to them."""
+    def tensors(self, verify: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, read-only tensor view), in slot order. Loaders copy from them; nobody may write to them.
+        `verify`: check each tensor's checksum just before handing it out (what a streamed load does)."""
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            for t in self.manifest.tensors:
+            for i, t in enumerate(self.manifest.tensors):
+                expected = t.xxh3
+                if self.streamed:
+                    self._wait_written(i)
+                    expected = struct.unpack_from("<Q", self.buf, self._table_off + 8 * i)[0]
+                if verify:
+                    self._verify_one(t, expected)
                 raw = torch.from_numpy(self._data[t.offset:t.offset + t.nbytes])
                 yield t.name, raw.view(DTYPES[t.dtype]).view(list(t.shape))
+
+    def _verify_one(self, t, expected: int) -> None:
+        got = checksum(self._data[t.offset:t.offset + t.nbytes])
+        if got != expected:
+            raise WeightIntegrityError(
+                f"version {self.version}: checksum mismatch in {t.name} ({got:#x} != {expected:#x})")
+
+    def _wait_written(self, count: int, final: bool = False) -> None:
+        """Until the streamed write has `count` tensors complete (`final`: has finished); raise if it was abandoned,
+        overwritten, or made no progress for `stall_timeout_s`."""
+        last, since = -1, time.monotonic()
+        while True:
+            seq_now, progress = read_seq(self.buf), read_progress(self.buf)
+            if progress == ABORTED:
+                raise WeightIntegrityError(f"version {self.version}: the learner abandoned writing it")
+            if seq_now not in (self.seq, self.final_seq):
+                raise WeightIntegrityError(f"version {self.version}: slot was overwritten while streaming "
+                                           f"(seq {self.seq} -> {seq_now}); torn read rejected")
+            if seq_now == self.final_seq or (not final and progress > count):
+                return
+            if progress != last:
+                last, since = progress, time.monotonic()
+            elif time.monotonic() - since > self.stall_timeout_s:
+                raise WeightIntegrityError(f"version {self.version}: the write stalled at tensor {progress} of "
+                                           f"{len(self.manifest.tensors)} for {self.stall_timeout_s:.0f}s")
+            time.sleep(0.0002)
 
 
 def _check_bounds(manifest: Manifest, data_end: int) -> None:

@@ -10,10 +10,13 @@ Per version: check the announcement (protocol revision, run, manifest names and 
 fetch the bytes into a local staging segment (tcp transport), `target.stage` (verify the checksums in place while
 generation keeps running), then under `target.paused()`: `target.apply` (load in place, then confirm that no write
 overlapped the load) and `target.set_version`. A corrupt version is rejected at staging and the replica keeps
-serving the previous one. A version whose slot was rewritten *during* the load (the learner published twice while
-this replica loaded once) leaves the model mixed: generation stays paused and the newest version is loaded at once,
-so no token is ever sampled from torn weights. Announcements that queue up during a load are coalesced: only the
-newest is loaded.
+serving the previous one. Streamed versions (`weights.stream`, shm: announced when the learner starts writing) skip
+staging: `apply` loads each tensor as soon as it is written and checked, so the write and the load overlap.
+
+A load that failed after touching the model (a rewrite overlapped it; a streamed version turned out corrupt, was
+abandoned or stalled) leaves the model mixed: generation stays paused and the newest complete version, or else the
+one served before, is loaded at once, so no token is ever sampled from torn weights. Announcements that queue up
+during a load are coalesced: only the newest is loaded.
 
 Late joiners: PUB/SUB drops what was sent before a subscription is live, so the learner's XPUB socket answers
 every new subscription with the latest announcement. `start()` waits (bounded by `catch_up_timeout_s`) for that
@@ -45,18 +48,24 @@ from dgrpo.weights.slot import WeightIntegrityError
 log = logging.getLogger(__name__)
 
 MAX_TORN_RETRIES = 3
-"""Loads in a row that a rewrite overlapped before the replica gives up (the learner outpaces every load)."""
+"""Loads in a row that failed after touching the model before the replica gives up and stops serving."""
 
 
 @dataclass(frozen=True)
 class SlotRef:
-    """Where a target reads one version: msgpack-able fields only (they cross into vLLM's workers)."""
+    """Where a target reads one version: msgpack-able fields only (they cross into vLLM's workers). An odd `seq`
+    means streamed: the write is still going on, each tensor is read once it is complete."""
 
     path: str
     version: int
     seq: int
     manifest_xxh3: int
     verify: bool
+    stall_timeout_s: float
+
+    @property
+    def streamed(self) -> bool:
+        return self.seq % 2 == 1
 
 
 class WeightTarget(Protocol):
@@ -67,13 +76,16 @@ class WeightTarget(Protocol):
     def weight_version(self) -> int: ...
 
     async def stage(self, ref: SlotRef) -> None:
-        """Open and verify `ref` without touching the model (generation may run); raise WeightIntegrityError."""
+        """Open and verify `ref` without touching the model (generation may run); raise WeightIntegrityError.
+        Never called for a streamed ref: its tensors are verified one by one as `apply` reads them."""
 
     def paused(self) -> AbstractAsyncContextManager[float]:
         """Generation paused inside the block; yields the seconds pausing took."""
 
     async def apply(self, ref: SlotRef) -> None:
-        """Load the staged `ref` (inside `paused()`); raise TornLoad when a write overlapped the load."""
+        """Load the staged (or streamed) `ref` inside `paused()`. Raises WeightIntegrityError once the model may
+        hold a mix of versions: TornLoad when a write overlapped the load; for a streamed ref also a bad checksum,
+        an abandoned or a stalled write."""
 
     def set_version(self, version: int) -> None:
         """Record the version now served (inside `paused()`, after a successful apply)."""
@@ -81,6 +93,7 @@ class WeightTarget(Protocol):
 
 class TornLoad(WeightIntegrityError):
     """A write overlapped a load: the model holds a mix of two versions and must not serve until reloaded."""
+
 
 
 class WeightChannelBroken(RuntimeError):
@@ -93,6 +106,8 @@ class LoadStats:
 
     version: int
     nbytes: int
+    streamed: bool
+    """Loaded while the learner was still writing it (stage skipped; the load waited for each tensor)."""
     fetch_s: float
     """tcp only: bytes from the learner into the local staging segment."""
     stage_s: float
@@ -128,6 +143,8 @@ class WeightSubscriber:
     def __init__(self, cfg: WeightSyncConfig, target: WeightTarget, expected_shapes: dict[str, list[int]]):
         self.cfg, self.target, self._shapes = cfg, target, expected_shapes
         self.run_id: str | None = None
+        self.current: Announcement | None = None
+        """The (complete) announcement of the version served now."""
         self.last_stats: LoadStats | None = None
         self.rejected: list[str] = []
         self._ctx = zmq.asyncio.Context()
@@ -196,6 +213,8 @@ class WeightSubscriber:
         except ProtocolError as e:
             self._reject(f"ignoring an announcement: {e}")
             return
+        if ann.streaming and self.cfg.transport == "tcp":
+            return  # its bytes can only be fetched once complete: the complete announcement follows
         if ann.version > 0:  # 0: the learner is up but has published nothing yet
             await self.load(ann)
 
@@ -233,17 +252,17 @@ class WeightSubscriber:
             t1 = time.perf_counter()
             async with self.target.paused() as pause_s:
                 t2 = time.perf_counter()
-                ref = await self._apply_untorn(ref)
+                ref, ann = await self._apply_or_recover(ref, ann)
                 t3 = time.perf_counter()
                 self.target.set_version(ref.version)
                 done_at = time.perf_counter()
-                self.run_id = ann.run_id
+                self.run_id, self.current = ann.run_id, ann
             t4 = time.perf_counter()
-            self.last_stats = LoadStats(ref.version, ann.nbytes, fetch_s, t1 - t0 - fetch_s, pause_s, t3 - t2,
-                                        t4 - t3, t4 - t0, done_at)
-            log.info("loaded weight version %d (%.1f MB) in %.3fs: fetch %.3f stage %.3f pause %.3f load %.3f "
-                     "resume %.3f", ref.version, ann.nbytes / 1e6, t4 - t0, fetch_s, t1 - t0 - fetch_s, pause_s,
-                     t3 - t2, t4 - t3)
+            self.last_stats = LoadStats(ref.version, ann.nbytes, ref.streamed, fetch_s, t1 - t0 - fetch_s, pause_s,
+                                        t3 - t2, t4 - t3, t4 - t0, done_at)
+            log.info("loaded weight version %d (%.1f MB%s) in %.3fs: fetch %.3f stage %.3f pause %.3f load %.3f "
+                     "resume %.3f", ref.version, ann.nbytes / 1e6, ", streamed" if ref.streamed else "", t4 - t0,
+                     fetch_s, t1 - t0 - fetch_s, pause_s, t3 - t2, t4 - t3)
             return True
 
     async def _stage(self, ann: Announcement) -> tuple[SlotRef, float] | None:
@@ -259,33 +278,46 @@ class WeightSubscriber:
             else:
                 # The slot's name under our own shm_dir: a container may mount the learner's /dev/shm elsewhere.
                 ref = SlotRef(str(Path(self.cfg.shm_dir) / ann.segment), ann.version, ann.seq, ann.manifest_xxh3,
-                              self.cfg.verify_checksums)
+                              self.cfg.verify_checksums, self.cfg.fetch_timeout_s)
             fetch_s = time.perf_counter() - t0
-            await self.target.stage(ref)
+            if not ref.streamed:
+                await self.target.stage(ref)
         except (WeightIntegrityError, ProtocolError) as e:
             self._reject(f"weight version {ann.version}: {e}")
             return None
         return ref, fetch_s
 
-    async def _apply_untorn(self, ref: SlotRef) -> SlotRef:
-        """Apply `ref`; after a torn load, stage and apply the newest version instead (still paused)."""
+    async def _apply_or_recover(self, ref: SlotRef, ann: Announcement) -> tuple[SlotRef, Announcement]:
+        """Apply `ref`; if that failed after touching the model, load the newest complete version, or else the one
+        served before (its slot is untouched: the learner writes the slot not holding the previous version)."""
         for _ in range(MAX_TORN_RETRIES):
             try:
                 await self.target.apply(ref)
-                return ref
-            except TornLoad as e:
-                log.warning("%s: loading the newest version before resuming", e)
-                newest = await self._latest()
-                staged = await self._stage(newest) if newest is not None and newest.version > 0 else None
-                if staged is None:
+                return ref, ann
+            except WeightIntegrityError as e:
+                log.warning("weight version %d failed during the load (%s): loading another before resuming",
+                            ref.version, e)
+                failed = (ann.run_id, ann.version)
+            for candidate in (await self._latest(), self.current):
+                if candidate is None or candidate.version == 0 or (candidate.run_id, candidate.version) == failed:
+                    continue
+                staged = await self._stage(candidate)
+                if staged is not None:
+                    ref, ann = staged[0], candidate
                     break
-                ref = staged[0]
-        raise WeightChannelBroken(f"no untorn weight version after {MAX_TORN_RETRIES} tries (the learner rewrote "
-                                  "each slot while it was loaded); this replica must not serve")
+            else:
+                break
+        raise WeightChannelBroken(f"no intact weight version after {MAX_TORN_RETRIES} tries (each was rewritten, "
+                                  "abandoned or corrupt while it was loaded); this replica must not serve")
 
     async def _latest(self) -> Announcement | None:
+        """The learner's latest complete announcement, or None when it does not answer properly."""
         reply = await self._request(protocol.latest_request(), self.cfg.catch_up_timeout_s)
-        return None if reply is None else protocol.decode_reply(reply[0].bytes).latest
+        try:
+            return None if reply is None else protocol.decode_reply(reply[0].bytes).latest
+        except ProtocolError as e:
+            log.warning("asking the learner for its latest weights: %s", e)
+            return None
 
     async def _fetch(self, ann: Announcement) -> SlotRef:
         """tcp transport: copy the version's bytes from the learner into our staging segment."""
@@ -305,7 +337,8 @@ class WeightSubscriber:
             weakref.finalize(self, self._staging.close)  # removed at exit even if stop() is never reached
         buf = self._staging.ensure(len(data))
         buf[: len(data)] = data
-        return SlotRef(str(self._staging.path), ann.version, fetched.seq, ann.manifest_xxh3, self.cfg.verify_checksums)
+        return SlotRef(str(self._staging.path), ann.version, fetched.seq, ann.manifest_xxh3, self.cfg.verify_checksums,
+                       self.cfg.fetch_timeout_s)
 
     async def _request(self, message: bytes, timeout_s: float) -> list | None:
         """One REQ/REP exchange on a fresh socket (a REQ socket that timed out cannot be reused)."""

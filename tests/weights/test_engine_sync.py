@@ -124,6 +124,7 @@ def test_logprobs_match_transformers_after_publish_and_restore_exactly(engine, a
     publish_and_wait(aio, engine, pub, changed, v)
     after = aio.run(prompt_logprobs(engine))
     assert engine.weight_version == v and loader.last_stats.version == v
+    assert loader.last_stats.streamed  # shm + a sized publish: loaded while the learner wrote it
     assert (after - before).abs().max() > 0.05  # the new weights are really in use
     torch.testing.assert_close(after, reference_logprobs(hf_model, changed), atol=1e-4, rtol=0)
 

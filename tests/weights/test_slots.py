@@ -8,6 +8,7 @@ import stat
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -118,6 +119,86 @@ def test_a_write_overlapping_the_load_is_caught_after_it(sync_cfg):
             reader.check_intact()
 
 
+def _subscribed(ctx, cfg):
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, protocol.TOPIC)
+    sub.connect(f"tcp://127.0.0.1:{cfg.announce_port}")
+    assert protocol.decode_announcement(sub.recv_multipart()).version == 0  # the catch-up answer
+    return sub
+
+
+def _held_at(weights: dict, index: int, held: threading.Event, release: threading.Event, fail: bool = False):
+    """The tensors of `weights`, stopping before `index` until `release` (or failing there)."""
+    for i, item in enumerate(weights.items()):
+        if i == index:
+            held.set()
+            release.wait(10)
+            if fail:
+                raise RuntimeError("the gather failed")
+        yield item
+
+
+def test_a_streamed_version_is_read_while_it_is_written(sync_cfg):
+    """weights.stream: the version is announced when its write begins; a reader gets each tensor as soon as it is
+    complete (checked against the slot's checksum table), waits for the rest, and the complete version is announced
+    again at the end."""
+    cfg = sync_cfg()
+    weights = state(2.0)
+    layout = [(name, list(t.shape)) for name, t in weights.items()]
+    held, release = threading.Event(), threading.Event()
+    with WeightPublisher(cfg, "stream", dtype="float32") as pub, zmq.Context() as ctx:
+        sub = _subscribed(ctx, cfg)
+        writer = threading.Thread(target=pub.publish, args=(_held_at(weights, 2, held, release), 1),
+                                  kwargs={"layout": layout})
+        writer.start()
+        early = protocol.decode_announcement(sub.recv_multipart())
+        assert early.streaming and early.version == 1 and early.seq % 2 == 1
+        assert all(t.xxh3 == slot.UNKNOWN_XXH3 for t in early.manifest.tensors)
+        assert held.wait(10)
+        reader = reader_of(early, cfg)
+        tensors = reader.tensors(verify=True)
+        assert [float(next(tensors)[1][0, 0]) for _ in range(2)] == [2.0, 2.0]  # written before the hold
+        threading.Timer(0.3, release.set).start()
+        t0 = time.monotonic()
+        assert [float(t[0, 0]) for _, t in tensors] == [2.0, 2.0]
+        assert time.monotonic() - t0 >= 0.2  # it waited for the writer instead of reading unwritten bytes
+        reader.check_intact()
+        writer.join(10)
+        complete = protocol.decode_announcement(sub.recv_multipart())
+        assert not complete.streaming and complete.version == 1 and complete.seq == early.seq + 1
+        assert [t.xxh3 for t in complete.manifest.tensors] == [t.xxh3 for t in reader_of(complete, cfg).manifest.tensors]
+        assert slot.UNKNOWN_XXH3 not in [t.xxh3 for t in complete.manifest.tensors]
+        sub.close(linger=0)
+
+
+def test_an_abandoned_or_stalled_streamed_write_is_refused(sync_cfg):
+    cfg = sync_cfg()
+    weights = state(3.0)
+    layout = [(name, list(t.shape)) for name, t in weights.items()]
+    with WeightPublisher(cfg, "abandon", dtype="float32") as pub, zmq.Context() as ctx:
+        sub = _subscribed(ctx, cfg)
+        held, release = threading.Event(), threading.Event()
+        failed = []
+        writer = threading.Thread(target=lambda: failed.append(pytest.raises(RuntimeError, pub.publish,
+                                  _held_at(weights, 2, held, release, fail=True), 1, layout=layout)))
+        writer.start()
+        early = protocol.decode_announcement(sub.recv_multipart())
+        assert held.wait(10)
+        stalled = slot.SlotReader(open_readonly(os.path.join(cfg.shm_dir, early.segment)), 1, early.seq,
+                                  early.manifest_xxh3, stall_timeout_s=0.2)
+        with pytest.raises(slot.WeightIntegrityError, match="stalled at tensor 2 of 4"):
+            list(stalled.tensors())
+        reader = reader_of(early, cfg)
+        release.set()
+        writer.join(10)
+        assert failed and pub.latest_version == 0  # nothing was announced complete
+        with pytest.raises(slot.WeightIntegrityError, match="abandoned"):
+            list(reader.tensors())
+        pub.publish(weights.items(), 1)  # the version can be published again
+        assert values(reader_of(pub.latest, cfg)) == {3.0}
+        sub.close(linger=0)
+
+
 def test_racing_reader_never_sees_a_mixed_version(sync_cfg):
     """A writer publishing back-to-back against a reader: everything the reader accepts is one whole version."""
     cfg = sync_cfg()
@@ -139,7 +220,7 @@ def test_racing_reader_never_sees_a_mixed_version(sync_cfg):
                 try:
                     reader = reader_of(ann, cfg)
                     reader.verify()
-                    seen = {float(t.clone().unique().item()) for _, t in reader.tensors()}
+                    seen = {float(v) for _, t in reader.tensors() for v in t.clone().unique()}
                     reader.check_intact()  # only now is what was read known to be one version
                 except slot.WeightIntegrityError:
                     rejected.append(ann.version)
