@@ -39,6 +39,7 @@ from dgrpo.learner.metrics import MetricsLogger, StepTimer
 from dgrpo.learner.reward_client import GroupReward, RewardClient, score_group
 from dgrpo.learner.rollout import RolloutClient, RolloutStats, make_prompt
 from dgrpo.v1 import sampler_pb2
+from dgrpo.weights.gather import layout as weight_layout
 from dgrpo.weights.rounding import publish_cast
 
 log = logging.getLogger("dgrpo.learner")
@@ -334,7 +335,8 @@ class Trainer:
         bucket_bytes = self.cfg.weights.gather_bucket_mb << 20
         named = ((name, cast(t)) for name, t in self.actor.named_weights(gather_dtype, bucket_bytes))
         if self.ctx.is_main:
-            self.publisher.publish(named, self.version)
+            # The layout up front lets samplers load each tensor as it is written (weights.stream).
+            self.publisher.publish(named, self.version, layout=weight_layout(self.actor.policy))
         else:
             for _ in named:
                 pass

@@ -51,6 +51,12 @@ def _start_gather(param: torch.Tensor, dtype: torch.dtype | None) -> torch.Tenso
     return tensor.to(dtype) if dtype is not None else tensor
 
 
+def layout(model: torch.nn.Module) -> list[tuple[str, list[int]]]:
+    """[(HF name, full shape)] in `full_tensors` order, known without gathering (a DTensor's shape is the global
+    one): what lets the publisher announce a version before its tensors exist (weights.stream)."""
+    return [(hf_name(name), list(param.shape)) for name, param in model.named_parameters()]
+
+
 def full_tensors(
     model: torch.nn.Module, bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype: torch.dtype | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:

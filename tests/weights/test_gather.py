@@ -10,14 +10,14 @@ import textwrap
 import pytest
 import torch
 
-from dgrpo.weights.gather import full_tensors, hf_name
+from dgrpo.weights.gather import full_tensors, hf_name, layout
 
 pytestmark = pytest.mark.slow
 
 RANK_SCRIPT = textwrap.dedent('''
     import os, sys, torch, torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
-    from dgrpo.weights.gather import full_tensors
+    from dgrpo.weights.gather import full_tensors, layout
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -33,6 +33,8 @@ RANK_SCRIPT = textwrap.dedent('''
     assert list(got) == list(reference), list(got)
     for name, full in got.items():
         assert full.dtype == torch.bfloat16 and torch.equal(full, reference[name].to(torch.bfloat16)), name
+    # the layout, known before any gather, is what the gather yields (global shapes, not the shards')
+    assert layout(model) == [(name, list(t.shape)) for name, t in got.items()]
     got32 = dict(full_tensors(model, bucket_bytes=1 << 30))
     assert all(torch.equal(got32[k], reference[k]) for k in reference)
     dist.destroy_process_group()
@@ -62,5 +64,6 @@ def test_unsharded_parameters_pass_through_with_hf_names():
     wrapper._orig_mod = torch.nn.Linear(4, 3)  # how torch.compile nests the model
     got = dict(full_tensors(wrapper, dtype=torch.float16))
     assert list(got) == ["weight", "bias"]
+    assert layout(wrapper) == [("weight", [3, 4]), ("bias", [3])]
     assert got["weight"].dtype == torch.float16 and torch.equal(got["weight"], wrapper._orig_mod.weight.half())
     assert hf_name("_orig_mod.model._checkpoint_wrapped_module.layers.0.w") == "model.layers.0.w"
