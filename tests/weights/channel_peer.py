@@ -1,0 +1,176 @@
+"""A sampler replica without vLLM, for the weight channel's process tests (tests/weights/test_channel.py).
+
+    python channel_peer.py --config '<WeightSyncConfig JSON>' --shapes '{"name": [rows, cols], ...}' [hooks]
+    python channel_peer.py --argv-from-stdin   # the same arguments as one JSON line, once torch is imported
+
+Runs a `WeightSubscriber` that loads into `ModuleTarget`, the second real `WeightTarget` next to the sampler's vLLM
+adapter: a plain dict of bf16 tensors read in place from the slot. Every event is one JSON line on stdout
+(`{"event": "serving", "version": 2, "sums": {...}}`), flushed at once so the test sees it while the peer runs;
+logs go to stderr. A line on stdin (or its end) stops the peer; exit status 0, or 3 when the channel broke.
+Test hooks: --apply-delay-s (between copying and the overlap check, so that a test can rewrite the slot during the
+load) and --resume-delay-s (before generation resumes, so that announcements queue up behind a finished load).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+import torch
+
+from dgrpo.weights.config import WeightSyncConfig
+from dgrpo.weights.shm import open_readonly
+from dgrpo.weights.slot import SlotReader, WeightIntegrityError
+from dgrpo.weights.subscriber import SlotRef, TornLoad, WeightSubscriber
+
+
+def emit_json(event: str, **fields) -> None:
+    print(json.dumps({"event": event, **fields}), flush=True)
+
+
+class ModuleTarget:
+    """Loads weight versions into a dict of bf16 tensors; reports each step through `emit(event, **fields)`."""
+
+    def __init__(self, shapes: dict[str, list[int]], emit: Callable[..., None] = emit_json, *,
+                 apply_delay_s: float = 0.0, resume_delay_s: float = 0.0):
+        self.state = {name: torch.zeros(shape, dtype=torch.bfloat16) for name, shape in shapes.items()}
+        self.emit = emit
+        self.apply_delay_s, self.resume_delay_s = apply_delay_s, resume_delay_s
+        self._version = 0
+        self._staged: tuple[SlotReader, object] | None = None
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    def sums(self) -> dict[str, float]:
+        """Per-tensor sums of what is loaded (exact: the tests publish small integers)."""
+        return {name: float(t.double().sum()) for name, t in self.state.items()}
+
+    async def stage(self, ref: SlotRef) -> None:
+        self.emit("staging", version=ref.version, path=ref.path)
+        self._release()
+        try:
+            mapped = open_readonly(ref.path)
+        except FileNotFoundError:
+            raise WeightIntegrityError(f"slot {ref.path} no longer exists") from None
+        try:
+            reader = SlotReader(mapped, ref.version, ref.seq, ref.manifest_xxh3)
+        except BaseException:
+            mapped.close()
+            raise
+        self._staged = (reader, mapped)
+        try:
+            if ref.verify:
+                reader.verify()
+            reader.check_intact()  # what was verified is still what the slot holds
+        except BaseException:
+            self._release()
+            raise
+
+    @asynccontextmanager
+    async def paused(self) -> AsyncIterator[float]:
+        t0 = time.perf_counter()
+        self.emit("paused")
+        try:
+            yield time.perf_counter() - t0
+        finally:
+            await asyncio.sleep(self.resume_delay_s)
+            self.emit("resumed", version=self._version)
+
+    async def apply(self, ref: SlotRef) -> None:
+        if self._staged is None or self._staged[0].version != ref.version:
+            raise RuntimeError(f"apply of weight version {ref.version}: it is not the staged one")
+        reader = self._staged[0]
+        try:
+            self._copy(reader)
+            self.emit("applying", version=ref.version)
+            await asyncio.sleep(self.apply_delay_s)
+            try:
+                reader.check_intact()
+            except WeightIntegrityError as e:
+                self.emit("torn", version=ref.version, why=str(e))
+                raise TornLoad(str(e)) from None
+        finally:
+            self._release()
+
+    def set_version(self, version: int) -> None:
+        self._version = version
+        self.emit("serving", version=version, sums=self.sums())
+
+    def _copy(self, reader: SlotReader) -> None:
+        with torch.no_grad():
+            for name, tensor in reader.tensors():
+                if name not in self.state or tensor.shape != self.state[name].shape:
+                    raise WeightIntegrityError(f"{name} {list(tensor.shape)} in the slot is not in the state")
+                self.state[name].copy_(tensor)
+
+    def _release(self) -> None:
+        if self._staged is not None:
+            reader, mapped = self._staged
+            self._staged = None
+            reader.release()
+            try:
+                mapped.close()
+            except BufferError:
+                pass  # a view is still alive (a traceback); the mapping goes with it
+
+
+async def run(args: argparse.Namespace) -> int:
+    cfg = WeightSyncConfig.model_validate_json(args.config)
+    shapes = json.loads(args.shapes)
+    target = ModuleTarget(shapes, apply_delay_s=args.apply_delay_s, resume_delay_s=args.resume_delay_s)
+    subscriber = WeightSubscriber(cfg, target, shapes)
+    loop, stop = asyncio.get_running_loop(), asyncio.Event()
+    # A daemon thread, not the loop's executor: a broken channel must exit without waiting on stdin.
+    threading.Thread(target=lambda: (sys.stdin.readline(), loop.call_soon_threadsafe(stop.set)), daemon=True).start()
+    reported = 0
+
+    def report_rejections() -> None:
+        nonlocal reported
+        for why in subscriber.rejected[reported:]:
+            emit_json("rejected", why=why, version=target.weight_version, sums=target.sums())
+        reported = len(subscriber.rejected)
+
+    await subscriber.start()
+    report_rejections()
+    emit_json("started", version=target.weight_version)
+    while not stop.is_set() and subscriber.failed is None:
+        report_rejections()
+        try:
+            await asyncio.wait_for(stop.wait(), 0.02)
+        except asyncio.TimeoutError:
+            pass
+    report_rejections()
+    failed = subscriber.failed
+    await subscriber.stop()
+    if failed is not None:
+        emit_json("broken", why=str(failed), version=target.weight_version)
+        return 3
+    emit_json("stopped", version=target.weight_version)
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="WeightSyncConfig as JSON")
+    parser.add_argument("--shapes", required=True, help="expected tensor shapes as JSON: {name: shape}")
+    parser.add_argument("--apply-delay-s", type=float, default=0.0)
+    parser.add_argument("--resume-delay-s", type=float, default=0.0)
+    argv = sys.argv[1:]
+    if argv == ["--argv-from-stdin"]:  # started ahead by a test: the arguments come once they are known
+        argv = json.loads(sys.stdin.readline())
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
+    return asyncio.run(run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,359 @@
+"""The weight channel end to end in real processes, without vLLM: a learner-side `WeightPublisher` here, a replica
+(`channel_peer.py`: `WeightSubscriber` + a torch-dict `WeightTarget`) in its own process, reporting JSON events.
+
+Published tensors hold small integers, so every per-tensor sum the peer reports is exact in bf16 and tells which
+version it holds (a mix of two versions shows in the sums)."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import queue
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dgrpo.v1 import weights_pb2 as pb
+from dgrpo.weights import protocol
+from dgrpo.weights.publisher import WeightPublisher
+from dgrpo.weights.subscriber import MAX_TORN_RETRIES, WeightSubscriber
+
+PEER = Path(__file__).with_name("channel_peer.py")
+SHAPES = {f"model.layers.{i}.w": [64, 96 + i] for i in range(4)}
+FIRST = "model.layers.0.w"
+TIMEOUT_S = 30.0
+
+
+def weights(version: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 * seed + version)
+    return {name: torch.randint(-100, 100, shape, generator=gen).float() for name, shape in SHAPES.items()}
+
+
+def sums_of(tensors: dict[str, torch.Tensor]) -> dict[str, float]:
+    return {name: float(t.to(torch.bfloat16).double().sum()) for name, t in tensors.items()}
+
+
+def publish(pub: WeightPublisher, version: int, seed: int = 0) -> dict[str, float]:
+    """Publish `version` whole (an iterator, so never streamed: ModuleTarget loads complete versions only); return
+    the sums a replica serving it must report."""
+    tensors = weights(version, seed)
+    pub.publish(iter(tensors.items()), version)
+    return sums_of(tensors)
+
+
+class Peer:
+    """One channel_peer.py process, started ahead and waiting for its arguments (`launch`); `wait_for` reads its
+    events (all of them stay in `events`)."""
+
+    def __init__(self, log_path: Path):
+        self.log_path = log_path
+        with open(log_path, "w") as log:
+            self.proc = subprocess.Popen([sys.executable, str(PEER), "--argv-from-stdin"], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=log, text=True)
+        self.pid = self.proc.pid
+        self.events: list[dict] = []
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        self._returned: set[int] = set()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def launch(self, cfg, **hooks: float) -> Peer:
+        argv = ["--config", cfg.model_dump_json(), "--shapes", json.dumps(SHAPES)]
+        for name, value in hooks.items():
+            argv += [f"--{name.replace('_', '-')}", str(value)]
+        self.proc.stdin.write(json.dumps(argv) + "\n")
+        self.proc.stdin.flush()
+        return self
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self._lines.put(line)
+        self._lines.put(None)
+
+    def _pull(self, timeout: float) -> bool:
+        """Read one more event into `events`; False on timeout or once the peer's stdout ended."""
+        try:
+            line = self._lines.get(timeout=max(timeout, 0.0))
+        except queue.Empty:
+            return False
+        if line is None:
+            self._lines.put(None)  # stays the last item
+            return False
+        self.events.append(json.loads(line))
+        return True
+
+    def wait_for(self, event: str, timeout: float = TIMEOUT_S, **fields) -> dict:
+        """The first event named `event` (with `fields`) that no earlier call returned."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for i, e in enumerate(self.events):
+                if i not in self._returned and e["event"] == event and all(e.get(k) == v for k, v in fields.items()):
+                    self._returned.add(i)
+                    return e
+            if not self._pull(deadline - time.monotonic()):
+                raise AssertionError(f"no {event} {fields} from the peer (exit status {self.proc.poll()}); events "
+                                     f"{self.events}\nlog:\n{self.log_path.read_text()[-4000:]}")
+
+    def stop(self) -> int:
+        """Ask the peer to stop; its exit status once every event is read."""
+        if self.proc.poll() is None:
+            self.proc.stdin.write("stop\n")
+            self.proc.stdin.flush()
+        rc = self.proc.wait(TIMEOUT_S)
+        while self._pull(1):
+            pass
+        return rc
+
+    def served(self) -> list[int]:
+        return [e["version"] for e in self.events if e["event"] == "serving"]
+
+    def named(self, *names: str) -> list[str]:
+        return [e["event"] for e in self.events if e["event"] in names]
+
+
+@pytest.fixture(scope="module")
+def spare_peers(tmp_path_factory):
+    """Peers started one ahead of the test that takes them: torch's import (seconds on two busy cores) then overlaps
+    the previous test instead of adding to each one."""
+    folder, peers = tmp_path_factory.mktemp("peers"), []
+
+    def take() -> Peer:
+        if not peers:
+            peers.append(Peer(folder / "peer-0.log"))
+        peers.append(Peer(folder / f"peer-{len(peers)}.log"))
+        return peers[-2]
+
+    yield take
+    for peer in peers:
+        if peer.proc.poll() is None:
+            peer.proc.kill()
+            peer.proc.wait()
+
+
+@pytest.fixture
+def start_peer(spare_peers):
+    """`start_peer(cfg, **hooks)`: a running peer on `cfg`; killed at teardown if a test left it running."""
+    started: list[Peer] = []
+
+    def start(cfg, **hooks: float) -> Peer:
+        started.append(spare_peers().launch(cfg, **hooks))
+        return started[-1]
+
+    yield start
+    for peer in started:
+        if peer.proc.poll() is None:
+            peer.proc.kill()
+            peer.proc.wait()
+
+
+@pytest.fixture
+def channel_cfg(sync_cfg):
+    """Fresh ports; a generous catch-up bound (the learner is always up first here, so it is never waited out)."""
+    return lambda **overrides: sync_cfg(catch_up_timeout_s=10, **overrides)
+
+
+# --- catch-up and following ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_late_joiner_serves_the_latest_version_at_start_then_follows(transport, channel_cfg, start_peer,
+                                                                       segments_of):
+    cfg = channel_cfg(transport=transport)
+    with WeightPublisher(cfg, "late", dtype="bfloat16") as pub:
+        expected = {1: publish(pub, 1)}
+        peer = start_peer(cfg)
+        assert peer.wait_for("started")["version"] == 1  # caught up inside start(), before reporting ready
+        assert peer.wait_for("serving", version=1, timeout=0)["sums"] == expected[1]
+        for v in (2, 3):
+            expected[v] = publish(pub, v)
+            assert peer.wait_for("serving", version=v)["sums"] == expected[v]
+        paths = {e["path"] for e in peer.events if e["event"] == "staging"}
+        staging = segments_of(peer.pid)
+        if transport == "shm":  # read in place in the learner's slots
+            assert paths == {str(p) for p in pub.segment_paths} and staging == []
+        else:  # fetched over the control socket into one staging segment of the peer's own
+            assert len(staging) == 1 and staging[0].startswith("dgrpo-r-") and paths == {f"{cfg.shm_dir}/{staging[0]}"}
+        assert peer.stop() == 0
+    assert peer.served() == [1, 2, 3]
+    assert segments_of(peer.pid) == []  # the staging segment went with a normal exit
+
+
+def test_a_restarted_learner_is_followed_even_to_lower_versions(channel_cfg, start_peer):
+    cfg = channel_cfg()
+    first = WeightPublisher(cfg, "run-a", dtype="bfloat16")
+    publish(first, 3, seed=1)
+    peer = start_peer(cfg)
+    assert peer.wait_for("started")["version"] == 3
+    first.close()
+    with WeightPublisher(cfg, "run-b", dtype="bfloat16") as second:  # same ports, new run id
+        expected = publish(second, 1, seed=2)
+        assert peer.wait_for("serving", version=1)["sums"] == expected
+        assert peer.stop() == 0
+    assert peer.served() == [3, 1]
+
+
+# --- loads that queue, tear, or fail ------------------------------------------------------------------------------
+
+
+def test_announcements_queued_during_a_load_are_coalesced_to_the_newest(channel_cfg, start_peer):
+    cfg = channel_cfg()
+    with WeightPublisher(cfg, "burst", dtype="bfloat16") as pub:
+        peer = start_peer(cfg, resume_delay_s=1.0)
+        peer.wait_for("started")
+        publish(pub, 1)
+        peer.wait_for("serving", version=1)  # v1 is loaded and intact; resuming takes another second
+        expected = {v: publish(pub, v) for v in range(2, 7)}  # 6 versions back to back in all
+        assert peer.wait_for("serving", version=6)["sums"] == expected[6]
+        assert peer.stop() == 0
+    # One by one, v2..v4 would be found overwritten (rejected) and v5 loaded before v6.
+    assert peer.served() == [1, 6]
+    assert peer.named("rejected") == []
+
+
+def test_a_rewrite_during_the_load_is_never_served_and_the_newest_loads_while_paused(channel_cfg, start_peer):
+    cfg = channel_cfg()
+    with WeightPublisher(cfg, "torn", dtype="bfloat16") as pub:
+        peer = start_peer(cfg, apply_delay_s=1.0)
+        expected = {1: publish(pub, 1)}
+        assert peer.wait_for("started")["version"] == 1
+        expected[2] = publish(pub, 2)
+        peer.wait_for("applying", version=2)  # v2 copied into the state, overlap not yet checked
+        expected[3] = publish(pub, 3)
+        expected[4] = publish(pub, 4)  # reuses v2's slot
+        assert "overlapped the read" in peer.wait_for("torn", version=2)["why"]
+        assert peer.wait_for("serving", version=4)["sums"] == expected[4]
+        assert peer.stop() == 0
+    assert peer.served() == [1, 4]  # v2 (torn) never recorded, v3 skipped
+    after_catch_up = peer.events[next(i for i, e in enumerate(peer.events) if e["event"] == "started") + 1:]
+    assert [(e["event"], e.get("version")) for e in after_catch_up if e["event"] != "staging"] == [
+        ("paused", None), ("applying", 2), ("torn", 2), ("applying", 4), ("serving", 4), ("resumed", 4),
+        ("stopped", 4)]  # one pause spans the torn load and the reload
+
+
+def test_a_learner_that_outpaces_every_load_breaks_the_channel(channel_cfg, start_peer):
+    cfg = channel_cfg()
+    with WeightPublisher(cfg, "outpaced", dtype="bfloat16") as pub:
+        peer = start_peer(cfg, apply_delay_s=0.8)
+        peer.wait_for("started")
+        version = 1
+        publish(pub, version)
+        for _ in range(MAX_TORN_RETRIES):
+            peer.wait_for("applying")
+            for _ in range(2):  # the slot being loaded is rewritten every time
+                version += 1
+                publish(pub, version)
+        broken = peer.wait_for("broken")
+        assert peer.proc.wait(TIMEOUT_S) == 3
+    assert f"weight version after {MAX_TORN_RETRIES} tries" in broken["why"] and "must not serve" in broken["why"]
+    assert len(peer.named("torn")) == MAX_TORN_RETRIES and peer.served() == [] and broken["version"] == 0
+
+
+def corrupt_first_tensor(pub: WeightPublisher, slot: int) -> None:
+    """Flip bytes of the slot's first tensor (it starts right after the 4096-byte header), after its checksum."""
+    buffer = pub._slots.segments[slot].buffer  # the learner's bytes (shm file or tcp memory): no public handle
+    buffer[4096 + 8:4096 + 12] = b"\xff\xff\xff\x7f"
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_corrupt_version_is_rejected_by_name_and_the_next_good_one_loads(transport, channel_cfg, start_peer):
+    cfg = channel_cfg(transport=transport)
+    with WeightPublisher(cfg, "corrupt", dtype="bfloat16") as pub:
+        expected = {1: publish(pub, 1)}
+        peer = start_peer(cfg)
+        assert peer.wait_for("started")["version"] == 1
+        bad = list(weights(2).items())
+
+        def corrupted_after_checksum():  # a stray write or bad DMA after the checksum was taken
+            yield bad[0]
+            corrupt_first_tensor(pub, 1 - pub.latest.slot)
+            yield from bad[1:]
+
+        pub.publish(corrupted_after_checksum(), 2)
+        rejected = peer.wait_for("rejected")
+        assert rejected["why"].startswith("weight version 2:") and f"checksum mismatch in {FIRST}" in rejected["why"]
+        assert rejected["version"] == 1 and rejected["sums"] == expected[1]  # untouched: still serving v1
+        expected[3] = publish(pub, 3)
+        assert peer.wait_for("serving", version=3)["sums"] == expected[3]
+        assert peer.stop() == 0
+    assert peer.served() == [1, 3] and "applying" not in {e["event"] for e in peer.events if e.get("version") == 2}
+
+
+# --- hostile announcements (in process: a rogue publisher cannot join the learner's XPUB) --------------------------
+
+
+def load_module_target():
+    spec = importlib.util.spec_from_file_location("channel_peer", PEER)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.ModuleTarget
+
+
+def announcement(**overrides) -> pb.WeightAnnouncement:
+    """A well-formed version-1 announcement of an shm slot, with `overrides` (manifest: a list of tensors)."""
+    tensors = overrides.pop("manifest", [pb.WeightTensor(name=FIRST, dtype="bfloat16", shape=SHAPES[FIRST],
+                                                         offset=4096, nbytes=64 * 96 * 2)])
+    manifest = pb.WeightManifest(run_id="hostile", version=1, dtype="bfloat16", tensors=tensors)
+    fields = {"slot": 0, "seq": 2, "transport": protocol.TRANSPORTS["shm"], "segment": "dgrpo-w-hostile-1-1-s0",
+              "nbytes": 4096 + 64 * 96 * 2, "manifest": manifest}
+    ann = protocol.announcement("hostile", 1, **fields)
+    for name, value in overrides.items():
+        setattr(ann, name, value)
+    return ann
+
+
+def frames(**overrides) -> list[bytes]:
+    return protocol.encode_announcement(announcement(**overrides))
+
+
+HOSTILE = {
+    "wrong protocol revision": (frames(protocol=protocol.PROTOCOL + 1),
+                                f"protocol revision {protocol.PROTOCOL + 1}, this side speaks {protocol.PROTOCOL}"),
+    "garbage payload": ([protocol.TOPIC, b"\xff\xff\xff\xff\xff"], "not a WeightAnnouncement"),
+    "one frame": ([protocol.TOPIC], "expected 2 frames"),
+    "path traversal": (frames(segment="../../etc/passwd"), "segment '../../etc/passwd' is not a file name"),
+    "absolute path": (frames(segment="/etc/passwd"), "segment '/etc/passwd' is not a file name"),
+    "no segment": (frames(segment=""), "segment '' is not a file name"),
+    "slot 2": (frames(slot=2), "slot 2 does not exist"),
+    "unknown transport": (frames(transport=7), "unknown transport 7"),
+    "empty manifest": (frames(manifest=[]), "its manifest holds version 1 with 0 tensors"),
+    "tensor not in the checkpoint": (
+        frames(manifest=[pb.WeightTensor(name="model.evil", dtype="bfloat16", shape=[2], offset=4096, nbytes=4)]),
+        "tensor 'model.evil' is not in the sampler's checkpoint"),
+    "wrong shape": (
+        frames(manifest=[pb.WeightTensor(name=FIRST, dtype="bfloat16", shape=[96, 64], offset=4096, nbytes=12288)]),
+        f"{FIRST} has shape [96, 64], the checkpoint [64, 96]"),
+}
+
+
+NOT_A_FILE = pytest.mark.xfail(strict=True, raises=(OSError, ValueError), reason=(
+    "weights/protocol.py decode_announcement refuses only '' and names with '/': '..' and '.' reach the target, "
+    "which opens the shm folder's parent (OSError from mmap), and NUL fails in os.open; neither is a rejection"))
+NOT_YET_REFUSED = {
+    "parent folder": (frames(segment=".."), "segment '..' is not a file name"),
+    "NUL in the name": (frames(segment="dgrpo\0x"), "is not a file name"),
+}
+
+
+@pytest.mark.parametrize("case", [*HOSTILE, *(pytest.param(c, marks=NOT_A_FILE) for c in NOT_YET_REFUSED)])
+def test_a_hostile_announcement_is_rejected_with_its_reason_and_nothing_loads(case, sync_cfg):
+    message, reason = {**HOSTILE, **NOT_YET_REFUSED}[case]
+    events = []
+    target = load_module_target()(SHAPES, lambda event, **fields: events.append(event))
+
+    async def handle() -> list[str]:
+        subscriber = WeightSubscriber(sync_cfg(), target, SHAPES)
+        try:
+            await subscriber._handle(message)
+            return subscriber.rejected
+        finally:
+            await subscriber.stop()
+
+    rejected = asyncio.run(handle())
+    assert len(rejected) == 1 and reason in rejected[0], rejected
+    assert events == [] and target.weight_version == 0
+    assert all(float(t.abs().sum()) == 0 for t in target.state.values())
