@@ -23,7 +23,7 @@ from dgrpo.sampler.engine import SamplerEngine
 from dgrpo.sampler.vllm_transfer import INTEGRITY_MARK, TORN_MARK
 from dgrpo.weights.protocol import PROTOCOL
 from dgrpo.weights.slot import WeightIntegrityError
-from dgrpo.weights.subscriber import SlotRef, TornLoad
+from dgrpo.weights.subscriber import SlotRef, TornLoad, WeightChannelBroken
 
 
 def transfer_engine_init_info() -> dict:
@@ -64,8 +64,12 @@ class EngineWeightTarget:
         await llm.pause_generation(mode=self.pause_mode, clear_cache=False)
         try:
             yield time.perf_counter() - t0
-        finally:
+        except WeightChannelBroken:
+            raise  # stay paused: the weights may be a mix of versions; the server shuts the replica down
+        except BaseException:
             await llm.resume_generation()
+            raise
+        await llm.resume_generation()
 
     async def apply(self, ref: SlotRef) -> None:
         if ref.streamed:

@@ -8,6 +8,8 @@ malformed ones included, with a reply (an error reply at worst), so one bad peer
 
 from __future__ import annotations
 
+import re
+
 from google.protobuf.message import DecodeError
 
 from dgrpo.v1 import weights_pb2 as pb
@@ -21,6 +23,8 @@ Announcement = pb.WeightAnnouncement
 Manifest = pb.WeightManifest
 TRANSPORTS = {"shm": pb.WEIGHT_TRANSPORT_SHM, "tcp": pb.WEIGHT_TRANSPORT_TCP}
 TRANSPORT_NAMES = {v: k for k, v in TRANSPORTS.items()}
+SEGMENT = re.compile(r"^dgrpo-w-[A-Za-z0-9_.-]{1,64}-\d+-\d+-s[01]$")
+"""A learner slot's file name (weights/publisher.py segment_path): nothing else is ever opened from an announcement."""
 MAX_CONTROL_REQUEST_BYTES = 4096
 """A control request is a few bytes; anything larger is refused before parsing."""
 
@@ -56,7 +60,8 @@ def encode_announcement(ann: pb.WeightAnnouncement) -> list[bytes]:
 def decode_announcement(frames: list[bytes]) -> pb.WeightAnnouncement:
     """Frames from the SUB socket -> a checked announcement (raises ProtocolError)."""
     if len(frames) != 2 or frames[0] != TOPIC:
-        raise ProtocolError(f"announcement: expected 2 frames [{TOPIC!r}, message], got {len(frames)}")
+        raise ProtocolError(f"announcement: expected the 2 frames [{TOPIC!r}, message], got {len(frames)} frames "
+                            f"starting {frames[0][:20]!r}" if frames else "announcement: no frames")
     ann = _parse(pb.WeightAnnouncement(), frames[1], "announcement")
     if ann.version == 0:
         return ann
@@ -64,8 +69,9 @@ def decode_announcement(frames: list[bytes]) -> pb.WeightAnnouncement:
         raise ProtocolError(f"announcement of version {ann.version}: slot {ann.slot} does not exist")
     if ann.transport not in TRANSPORT_NAMES:
         raise ProtocolError(f"announcement of version {ann.version}: unknown transport {ann.transport}")
-    if ann.transport == pb.WEIGHT_TRANSPORT_SHM and (not ann.segment or "/" in ann.segment):
-        raise ProtocolError(f"announcement of version {ann.version}: segment {ann.segment!r} is not a file name")
+    if ann.transport == pb.WEIGHT_TRANSPORT_SHM and not SEGMENT.match(ann.segment):
+        raise ProtocolError(f"announcement of version {ann.version}: segment {ann.segment!r} is not a weight "
+                            "slot's file name")
     if ann.streaming and (ann.seq % 2 == 0 or ann.transport != pb.WEIGHT_TRANSPORT_SHM):
         raise ProtocolError(f"announcement of version {ann.version}: streaming needs the shm transport and an odd "
                             f"seq (got seq {ann.seq})")

@@ -80,7 +80,8 @@ class WeightTarget(Protocol):
         Never called for a streamed ref: its tensors are verified one by one as `apply` reads them."""
 
     def paused(self) -> AbstractAsyncContextManager[float]:
-        """Generation paused inside the block; yields the seconds pausing took."""
+        """Generation paused inside the block; yields the seconds pausing took. A block that raises
+        WeightChannelBroken must leave generation paused (the model may hold a mix of versions)."""
 
     async def apply(self, ref: SlotRef) -> None:
         """Load the staged (or streamed) `ref` inside `paused()`. Raises WeightIntegrityError once the model may
@@ -282,7 +283,7 @@ class WeightSubscriber:
             fetch_s = time.perf_counter() - t0
             if not ref.streamed:
                 await self.target.stage(ref)
-        except (WeightIntegrityError, ProtocolError) as e:
+        except (WeightIntegrityError, ProtocolError, OSError) as e:
             self._reject(f"weight version {ann.version}: {e}")
             return None
         return ref, fetch_s

@@ -28,7 +28,7 @@ import torch
 from dgrpo.weights.config import WeightSyncConfig
 from dgrpo.weights.shm import open_readonly
 from dgrpo.weights.slot import SlotReader, WeightIntegrityError
-from dgrpo.weights.subscriber import SlotRef, TornLoad, WeightSubscriber
+from dgrpo.weights.subscriber import SlotRef, TornLoad, WeightChannelBroken, WeightSubscriber
 
 
 def emit_json(event: str, **fields) -> None:
@@ -54,19 +54,23 @@ class ModuleTarget:
         """Per-tensor sums of what is loaded (exact: the tests publish small integers)."""
         return {name: float(t.double().sum()) for name, t in self.state.items()}
 
-    async def stage(self, ref: SlotRef) -> None:
-        self.emit("staging", version=ref.version, path=ref.path)
+    def _open(self, ref: SlotRef) -> None:
         self._release()
         try:
             mapped = open_readonly(ref.path)
         except FileNotFoundError:
             raise WeightIntegrityError(f"slot {ref.path} no longer exists") from None
         try:
-            reader = SlotReader(mapped, ref.version, ref.seq, ref.manifest_xxh3)
+            reader = SlotReader(mapped, ref.version, ref.seq, ref.manifest_xxh3, ref.stall_timeout_s)
         except BaseException:
             mapped.close()
             raise
         self._staged = (reader, mapped)
+
+    async def stage(self, ref: SlotRef) -> None:
+        self.emit("staging", version=ref.version, path=ref.path)
+        self._open(ref)
+        reader = self._staged[0]
         try:
             if ref.verify:
                 reader.verify()
@@ -81,19 +85,27 @@ class ModuleTarget:
         self.emit("paused")
         try:
             yield time.perf_counter() - t0
-        finally:
-            await asyncio.sleep(self.resume_delay_s)
+        except WeightChannelBroken:
+            raise  # stays paused, as the sampler's target does: the state may be a mix of versions
+        except BaseException:
             self.emit("resumed", version=self._version)
+            raise
+        await asyncio.sleep(self.resume_delay_s)
+        self.emit("resumed", version=self._version)
 
     async def apply(self, ref: SlotRef) -> None:
-        if self._staged is None or self._staged[0].version != ref.version:
+        """Copy the staged version in; a streamed one (still being written) is opened here and each tensor checked
+        as it is read. Any failure once copying began may leave a mix: it is reported as TornLoad."""
+        if ref.streamed:
+            self._open(ref)
+        elif self._staged is None or self._staged[0].version != ref.version:
             raise RuntimeError(f"apply of weight version {ref.version}: it is not the staged one")
         reader = self._staged[0]
         try:
-            self._copy(reader)
-            self.emit("applying", version=ref.version)
-            await asyncio.sleep(self.apply_delay_s)
             try:
+                self._copy(reader, verify=ref.streamed and ref.verify)
+                self.emit("applying", version=ref.version, streamed=ref.streamed)
+                await asyncio.sleep(self.apply_delay_s)
                 reader.check_intact()
             except WeightIntegrityError as e:
                 self.emit("torn", version=ref.version, why=str(e))
@@ -105,9 +117,9 @@ class ModuleTarget:
         self._version = version
         self.emit("serving", version=version, sums=self.sums())
 
-    def _copy(self, reader: SlotReader) -> None:
+    def _copy(self, reader: SlotReader, verify: bool) -> None:
         with torch.no_grad():
-            for name, tensor in reader.tensors():
+            for name, tensor in reader.tensors(verify=verify):
                 if name not in self.state or tensor.shape != self.state[name].shape:
                     raise WeightIntegrityError(f"{name} {list(tensor.shape)} in the slot is not in the state")
                 self.state[name].copy_(tensor)

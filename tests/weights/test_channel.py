@@ -235,6 +235,76 @@ def test_a_rewrite_during_the_load_is_never_served_and_the_newest_loads_while_pa
         ("stopped", 4)]  # one pause spans the torn load and the reload
 
 
+def _streamed(pub: WeightPublisher, version: int, release: threading.Event, fail: bool = False):
+    """Publish `version` streamed from a thread, holding before the third tensor until `release` (failing there
+    with `fail`); returns (the writer thread, the sums a replica serving it must report)."""
+    tensors = weights(version)
+    layout = [(name, list(t.shape)) for name, t in tensors.items()]
+
+    def held():
+        for i, item in enumerate(tensors.items()):
+            if i == 2:
+                release.wait(TIMEOUT_S)
+                if fail:
+                    raise RuntimeError("the gather failed")
+            yield item
+
+    def write():
+        try:
+            pub.publish(held(), version, layout=layout)
+        except RuntimeError:
+            assert fail
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    return writer, sums_of(tensors)
+
+
+def test_a_streamed_version_loads_while_the_learner_still_writes_it(channel_cfg, start_peer):
+    cfg = channel_cfg()
+    with WeightPublisher(cfg, "streamed", dtype="bfloat16") as pub:
+        publish(pub, 1)
+        peer = start_peer(cfg)
+        assert peer.wait_for("started")["version"] == 1
+        peer.wait_for("paused")  # the catch-up's
+        release = threading.Event()
+        writer, expected = _streamed(pub, 2, release)
+        peer.wait_for("paused")  # the replica started on v2 while half of it is still unwritten
+        assert writer.is_alive()
+        release.set()
+        writer.join(TIMEOUT_S)
+        assert peer.wait_for("applying", version=2)["streamed"] is True
+        assert peer.wait_for("serving", version=2)["sums"] == expected
+        assert peer.stop() == 0
+    assert peer.served() == [1, 2] and peer.named("torn", "rejected") == []
+    assert all(e["version"] != 2 for e in peer.events if e["event"] == "staging")  # streamed: no separate stage
+
+
+def test_an_abandoned_streamed_version_is_never_served_and_the_previous_one_comes_back(channel_cfg, start_peer):
+    cfg = channel_cfg()
+    with WeightPublisher(cfg, "abandoned", dtype="bfloat16") as pub:
+        expected = {1: publish(pub, 1)}
+        peer = start_peer(cfg)
+        assert peer.wait_for("started")["version"] == 1
+        peer.wait_for("paused")  # the catch-up's
+        peer.wait_for("resumed")
+        release = threading.Event()
+        writer, _ = _streamed(pub, 2, release, fail=True)
+        peer.wait_for("paused")  # loading v2 while it is written
+        time.sleep(0.2)  # ... and reading its first tensors
+        release.set()
+        writer.join(TIMEOUT_S)
+        assert "abandoned" in peer.wait_for("torn", version=2)["why"]
+        # Still paused: v1 (its slot untouched) is loaded again before generation resumes.
+        assert peer.wait_for("serving", version=1)["sums"] == expected[1]
+        resumed = peer.wait_for("resumed")
+        assert resumed["version"] == 1
+        expected[2] = publish(pub, 2)  # the same version, published whole this time
+        assert peer.wait_for("serving", version=2)["sums"] == expected[2]
+        assert peer.stop() == 0
+    assert peer.served() == [1, 1, 2]
+
+
 def test_a_learner_that_outpaces_every_load_breaks_the_channel(channel_cfg, start_peer):
     cfg = channel_cfg()
     with WeightPublisher(cfg, "outpaced", dtype="bfloat16") as pub:
@@ -251,6 +321,7 @@ def test_a_learner_that_outpaces_every_load_breaks_the_channel(channel_cfg, star
         assert peer.proc.wait(TIMEOUT_S) == 3
     assert f"weight version after {MAX_TORN_RETRIES} tries" in broken["why"] and "must not serve" in broken["why"]
     assert len(peer.named("torn")) == MAX_TORN_RETRIES and peer.served() == [] and broken["version"] == 0
+    assert peer.named("paused", "resumed")[-1] == "paused"  # never resumed on the mixed state
 
 
 def corrupt_first_tensor(pub: WeightPublisher, slot: int) -> None:
@@ -314,10 +385,14 @@ HOSTILE = {
     "wrong protocol revision": (frames(protocol=protocol.PROTOCOL + 1),
                                 f"protocol revision {protocol.PROTOCOL + 1}, this side speaks {protocol.PROTOCOL}"),
     "garbage payload": ([protocol.TOPIC, b"\xff\xff\xff\xff\xff"], "not a WeightAnnouncement"),
-    "one frame": ([protocol.TOPIC], "expected 2 frames"),
-    "path traversal": (frames(segment="../../etc/passwd"), "segment '../../etc/passwd' is not a file name"),
-    "absolute path": (frames(segment="/etc/passwd"), "segment '/etc/passwd' is not a file name"),
-    "no segment": (frames(segment=""), "segment '' is not a file name"),
+    "one frame": ([protocol.TOPIC], "expected the 2 frames"),
+    "another topic": ([b"weights-x", b"1"], "starting b'weights-x'"),
+    "path traversal": (frames(segment="../../etc/passwd"), "segment '../../etc/passwd' is not a weight slot's"),
+    "absolute path": (frames(segment="/etc/passwd"), "segment '/etc/passwd' is not a weight slot's"),
+    "no segment": (frames(segment=""), "segment '' is not a weight slot's"),
+    "parent folder": (frames(segment=".."), "segment '..' is not a weight slot's"),
+    "NUL in the name": (frames(segment="dgrpo-w-run-1-2-s0\0x"), "is not a weight slot's"),
+    "another file in /dev/shm": (frames(segment="sem.mylock"), "segment 'sem.mylock' is not a weight slot's"),
     "slot 2": (frames(slot=2), "slot 2 does not exist"),
     "unknown transport": (frames(transport=7), "unknown transport 7"),
     "empty manifest": (frames(manifest=[]), "its manifest holds version 1 with 0 tensors"),
@@ -330,18 +405,9 @@ HOSTILE = {
 }
 
 
-NOT_A_FILE = pytest.mark.xfail(strict=True, raises=(OSError, ValueError), reason=(
-    "weights/protocol.py decode_announcement refuses only '' and names with '/': '..' and '.' reach the target, "
-    "which opens the shm folder's parent (OSError from mmap), and NUL fails in os.open; neither is a rejection"))
-NOT_YET_REFUSED = {
-    "parent folder": (frames(segment=".."), "segment '..' is not a file name"),
-    "NUL in the name": (frames(segment="dgrpo\0x"), "is not a file name"),
-}
-
-
-@pytest.mark.parametrize("case", [*HOSTILE, *(pytest.param(c, marks=NOT_A_FILE) for c in NOT_YET_REFUSED)])
+@pytest.mark.parametrize("case", HOSTILE)
 def test_a_hostile_announcement_is_rejected_with_its_reason_and_nothing_loads(case, sync_cfg):
-    message, reason = {**HOSTILE, **NOT_YET_REFUSED}[case]
+    message, reason = HOSTILE[case]
     events = []
     target = load_module_target()(SHAPES, lambda event, **fields: events.append(event))
 
