@@ -20,8 +20,9 @@ class WeightSyncConfig(StrictConfig):
     directly. tcp: the same slot bytes are fetched over pyzmq from the learner (samplers on other hosts)."""
     host: str = "127.0.0.1"
     """Address at which samplers reach the learner's announcement and control sockets (e.g. `learner` in compose)."""
-    bind_host: str = "*"
-    """Interface the learner binds its sockets on (`*`: all)."""
+    bind_host: str = "127.0.0.1"
+    """Interface the learner binds its sockets on: loopback unless configured (`*`: all; containers bind their
+    network explicitly). Anything that can reach these ports can announce or fetch unless the run has a token."""
     announce_port: int = Field(default=55701, ge=1, le=65535)
     """pyzmq PUB port: one announcement (run id, version, slot, manifest) per published version."""
     control_port: int = Field(default=55702, ge=1, le=65535)

@@ -8,6 +8,8 @@ malformed ones included, with a reply (an error reply at worst), so one bad peer
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import re
 
 from google.protobuf.message import DecodeError
@@ -44,6 +46,48 @@ def _parse(message, raw: bytes, what: str):
     return message
 
 
+# --- authentication -------------------------------------------------------------------------------------------
+
+
+class Signer:
+    """Keyed MACs over the channel's messages, from the run's shared token (BLAKE2b-256 keyed by SHA-256(token)).
+
+    With a token every message carries one more frame, the MAC of all its frames (length-prefixed, so frames cannot
+    be re-split), and a message without a valid one is refused before it is parsed: only peers holding the token can
+    announce, ask for the latest version or fetch weight bytes (a fetch reply's MAC covers the bytes too). Without a
+    token messages carry no MAC (a loopback-only run). The MAC authenticates; it does not encrypt: weight bytes on a
+    network still cross in the clear (docs/security.md)."""
+
+    def __init__(self, token: bytes | None):
+        self._key = hashlib.sha256(token).digest() if token else None
+
+    @property
+    def enabled(self) -> bool:
+        return self._key is not None
+
+    def _mac(self, frames) -> bytes:
+        h = hashlib.blake2b(key=self._key, digest_size=32)
+        for frame in frames:
+            view = memoryview(getattr(frame, "buffer", frame))
+            h.update(view.nbytes.to_bytes(8, "little"))
+            h.update(view)
+        return h.digest()
+
+    def seal(self, frames: list) -> list:
+        return [*frames, self._mac(frames)] if self._key else list(frames)
+
+    def open(self, frames: list, what: str) -> list:
+        """`frames` without their MAC; raises ProtocolError when it is missing or wrong (token set)."""
+        if self._key is None:
+            return list(frames)
+        if len(frames) < 2:
+            raise ProtocolError(f"{what}: not signed (the weight channel needs the run's token)")
+        mac = bytes(getattr(frames[-1], "bytes", frames[-1]))
+        if not hmac.compare_digest(mac, self._mac(frames[:-1])):
+            raise ProtocolError(f"{what}: bad signature (another token, or altered on the way)")
+        return list(frames[:-1])
+
+
 # --- announcements ------------------------------------------------------------------------------------------------
 
 
@@ -59,6 +103,8 @@ def encode_announcement(ann: pb.WeightAnnouncement) -> list[bytes]:
 
 def decode_announcement(frames: list[bytes]) -> pb.WeightAnnouncement:
     """Frames from the SUB socket -> a checked announcement (raises ProtocolError)."""
+    if len(frames) == 3 and frames[0] == TOPIC:
+        raise ProtocolError("announcement: signed by the learner, and this side has no token (give it the run's)")
     if len(frames) != 2 or frames[0] != TOPIC:
         raise ProtocolError(f"announcement: expected the 2 frames [{TOPIC!r}, message], got {len(frames)} frames "
                             f"starting {frames[0][:20]!r}" if frames else "announcement: no frames")

@@ -80,10 +80,13 @@ class _Slots:
 class WeightPublisher:
     """Publishes weight versions to every sampler; `close()` (or the context manager) removes the segments."""
 
-    def __init__(self, cfg: WeightSyncConfig, run_id: str, dtype: str | torch.dtype = "bfloat16"):
+    def __init__(self, cfg: WeightSyncConfig, run_id: str, dtype: str | torch.dtype = "bfloat16",
+                 token: bytes | None = None):
+        """`token`: the run's shared secret; with it every message is signed and unsigned requests are refused."""
         if not RUN_ID.match(run_id):
             raise ValueError(f"run_id={run_id!r}: use 1-64 characters from A-Z a-z 0-9 _ . - (it names shm segments)")
         self.cfg, self.run_id, self.dtype = cfg, run_id, dtype_name(dtype)
+        self._signer = protocol.Signer(token)
         if cfg.transport == "shm":
             reclaim_stale(cfg.shm_dir)
         self._slots = _Slots(cfg, run_id)
@@ -193,10 +196,10 @@ class WeightPublisher:
             try:
                 ready = dict(poller.poll(100))
                 if self._announce_rx in ready:
-                    self._pub.send_multipart([protocol.TOPIC, self._announce_rx.recv()])
+                    self._pub.send_multipart(self._signer.seal([protocol.TOPIC, self._announce_rx.recv()]))
                 if self._pub in ready and self._pub.recv()[:1] == b"\x01":
                     # A subscription went live: tell (everyone, harmlessly) the latest version.
-                    self._pub.send_multipart(protocol.encode_announcement(self.latest))
+                    self._pub.send_multipart(self._signer.seal(protocol.encode_announcement(self.latest)))
                 if self._rep in ready:
                     self._answer(self._rep.recv_multipart())
             except zmq.ZMQError:
@@ -208,21 +211,29 @@ class WeightPublisher:
         """Exactly one reply per request (REP's contract), whatever the request holds: a peer's bad bytes must not
         end the control thread, or no later version could be fetched or caught up on."""
         try:
+            frames = self._signer.open(frames, "control request")
             if len(frames) != 1:
                 raise ProtocolError(f"control request: expected 1 frame, got {len(frames)}")
             request = protocol.decode_request(frames[0])
             if request.WhichOneof("request") == "latest":
-                self._rep.send(protocol.latest_reply(self.latest))
+                self._reply([protocol.latest_reply(self.latest)])
             else:
                 self._send_slot(request.fetch.version, request.fetch.slot)
         except ProtocolError as e:
             log.warning("weight control: refused a request: %s", e)
-            self._rep.send(protocol.error_reply(str(e)))
+            self._reply([protocol.error_reply(str(e))])
         except Exception as e:  # the reply must go out, or the REP socket is stuck for good
             log.exception("weight control: answering a request failed")
-            self._rep.send(protocol.error_reply(f"the learner failed to answer: {type(e).__name__}"))
+            self._reply([protocol.error_reply(f"the learner failed to answer: {type(e).__name__}")])
+
+    def _reply(self, frames: list) -> None:
+        # copy=True: zmq owns a copy of a slot's bytes before the slot lock is released (the writer may reuse it).
+        self._rep.send_multipart(self._signer.seal(frames), copy=True)
 
     def _send_slot(self, version: int, slot: int) -> None:
+        if self.cfg.transport != "tcp":
+            raise ProtocolError("weight bytes are served only with weights.transport=tcp (this learner shares "
+                                "memory: samplers on other hosts need a learner with the tcp transport)")
         if slot not in (0, 1):
             raise ProtocolError(f"slot {slot} does not exist")
         with self._slots.locks[slot]:
@@ -230,9 +241,7 @@ class WeightPublisher:
             if held is None or held.version != version:
                 raise ProtocolError(f"version {version} is gone (latest is {self.latest_version})")
             seg = self._slots.segments[slot]
-            # copy=True: zmq owns a copy before the lock is released, so the writer may reuse the slot at once.
-            self._rep.send_multipart([protocol.fetched_reply(version, held.seq, held.nbytes),
-                                      memoryview(seg.buffer)[: held.nbytes]], copy=True)
+            self._reply([protocol.fetched_reply(version, held.seq, held.nbytes), memoryview(seg.buffer)[: held.nbytes]])
 
     # --- lifecycle ---
 

@@ -141,8 +141,11 @@ def checkpoint_shapes(model_path: str | Path) -> dict[str, list[int]]:
 class WeightSubscriber:
     """Keeps one target on the newest weight version the learner has published."""
 
-    def __init__(self, cfg: WeightSyncConfig, target: WeightTarget, expected_shapes: dict[str, list[int]]):
+    def __init__(self, cfg: WeightSyncConfig, target: WeightTarget, expected_shapes: dict[str, list[int]],
+                 token: bytes | None = None):
+        """`token`: the run's shared secret; with it only signed announcements and replies are accepted."""
         self.cfg, self.target, self._shapes = cfg, target, expected_shapes
+        self._signer = protocol.Signer(token)
         self.run_id: str | None = None
         self.current: Announcement | None = None
         """The (complete) announcement of the version served now."""
@@ -210,7 +213,7 @@ class WeightSubscriber:
 
     async def _handle(self, frames: list[bytes]) -> None:
         try:
-            ann = protocol.decode_announcement(frames)
+            ann = protocol.decode_announcement(self._signer.open(frames, "announcement"))
         except ProtocolError as e:
             self._reject(f"ignoring an announcement: {e}")
             return
@@ -315,7 +318,7 @@ class WeightSubscriber:
         """The learner's latest complete announcement, or None when it does not answer properly."""
         reply = await self._request(protocol.latest_request(), self.cfg.catch_up_timeout_s)
         try:
-            return None if reply is None else protocol.decode_reply(reply[0].bytes).latest
+            return None if reply is None else protocol.decode_reply(reply[0]).latest
         except ProtocolError as e:
             log.warning("asking the learner for its latest weights: %s", e)
             return None
@@ -326,9 +329,9 @@ class WeightSubscriber:
         if reply is None:
             raise ProtocolError(f"no bytes from {self._control} in {self.cfg.fetch_timeout_s}s")
         if len(reply) != 2:
-            protocol.decode_reply(reply[0].bytes)  # an error reply raises with the learner's message
+            protocol.decode_reply(reply[0])  # an error reply raises with the learner's message
             raise ProtocolError(f"fetch reply of {len(reply)} frames")
-        fetched = protocol.decode_reply(reply[0].bytes).fetched
+        fetched = protocol.decode_reply(reply[0]).fetched
         data = reply[1].buffer
         if fetched.version != ann.version or fetched.nbytes != len(data):
             raise ProtocolError(f"fetched version {fetched.version} ({len(data)} bytes), announced {ann.version} "
@@ -342,14 +345,16 @@ class WeightSubscriber:
                        self.cfg.fetch_timeout_s)
 
     async def _request(self, message: bytes, timeout_s: float) -> list | None:
-        """One REQ/REP exchange on a fresh socket (a REQ socket that timed out cannot be reused)."""
+        """One REQ/REP exchange on a fresh socket (a REQ socket that timed out cannot be reused): the reply's frames
+        (the first as bytes, the others as zmq frames), its signature checked; None on timeout."""
         sock = self._ctx.socket(zmq.REQ)
         sock.setsockopt(zmq.LINGER, 0)
         try:
             sock.connect(self._control)
-            await sock.send(message)
+            await sock.send_multipart(self._signer.seal([message]))
             if not await sock.poll(int(timeout_s * 1000)):
                 return None
-            return await sock.recv_multipart(copy=False)
+            frames = self._signer.open(await sock.recv_multipart(copy=False), "control reply")
+            return [frames[0].bytes, *frames[1:]]
         finally:
             sock.close(linger=0)

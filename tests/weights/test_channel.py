@@ -423,3 +423,32 @@ def test_a_hostile_announcement_is_rejected_with_its_reason_and_nothing_loads(ca
     assert len(rejected) == 1 and reason in rejected[0], rejected
     assert events == [] and target.weight_version == 0
     assert all(float(t.abs().sum()) == 0 for t in target.state.values())
+
+
+# --- a signed channel (the run's token) ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_with_a_token_only_a_replica_holding_it_follows_the_learner(transport, channel_cfg):
+    """Real sockets, in process: a replica without the token, or with another one, refuses every announcement (and
+    cannot fetch); one with the token serves the version."""
+    cfg = channel_cfg(transport=transport)
+    ModuleTarget = load_module_target()
+
+    async def follow(token: bytes | None) -> tuple[int, list[str], dict]:
+        target = ModuleTarget(SHAPES, lambda event, **fields: None)
+        subscriber = WeightSubscriber(cfg, target, SHAPES, token=token)
+        try:
+            await subscriber.start()  # the catch-up announcement names v1
+            return target.weight_version, subscriber.rejected, target.sums()
+        finally:
+            await subscriber.stop()
+
+    with WeightPublisher(cfg, "signed", dtype="bfloat16", token=b"run-secret") as pub:
+        expected = publish(pub, 1)
+        version, rejected, _ = asyncio.run(follow(None))
+        assert version == 0 and "signed by the learner" in rejected[0]
+        version, rejected, _ = asyncio.run(follow(b"guess"))
+        assert version == 0 and "bad signature" in rejected[0]
+        version, rejected, sums = asyncio.run(follow(b"run-secret"))
+        assert version == 1 and rejected == [] and sums == expected

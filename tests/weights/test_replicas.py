@@ -32,16 +32,36 @@ def hf_model(weights_model):
     return AutoModelForCausalLM.from_pretrained(weights_model, dtype=torch.float32).eval()
 
 
+class Learners:
+    """The learner side for both replicas: a learner serves shm samplers (same host) or tcp ones, never the bytes of
+    shared-memory slots over the network; these two publish the same versions."""
+
+    def __init__(self):
+        self.cfgs = {t: WeightSyncConfig(transport=t, host="127.0.0.1", bind_host="127.0.0.1",
+                                         announce_port=free_port(), control_port=free_port()) for t in ("shm", "tcp")}
+        self.pubs = {t: WeightPublisher(cfg, "replicas", dtype="bfloat16") for t, cfg in self.cfgs.items()}
+
+    def segment_paths(self):
+        return self.pubs["shm"].segment_paths
+
+    def publish(self, named_tensors, version: int) -> None:
+        for pub in self.pubs.values():
+            pub.publish(named_tensors, version)
+
+    def close(self) -> None:
+        for pub in self.pubs.values():
+            pub.close()
+
+
 @pytest.fixture(scope="module")
 def stack(weights_model, hf_model):
-    """A learner-side publisher that has published v1, then two replicas started after it (shm and tcp)."""
-    cfg = WeightSyncConfig(host="127.0.0.1", bind_host="127.0.0.1", announce_port=free_port(),
-                           control_port=free_port())
-    pub = WeightPublisher(cfg, "replicas", dtype="bfloat16")
+    """Learner-side publishers that have published v1, then two replicas started after it (shm and tcp)."""
+    pub = Learners()
     base = {k: v.clone() for k, v in hf_model.state_dict().items()}
-    pub.publish(perturbed(base, 1).items(), 1)
+    pub.publish(list(perturbed(base, 1).items()), 1)
     replicas = []
     for transport in ("shm", "tcp"):
+        cfg = pub.cfgs[transport]
         port = free_port()
         replicas.append(ServiceProcess("sampler", [
             f"model.path={weights_model}", "model.dtype=bfloat16", f"sampler.port={port}", "sampler.host=127.0.0.1",
@@ -76,7 +96,7 @@ def test_replicas_started_after_a_publish_serve_it_from_the_start(stack):
 def test_every_replica_reaches_a_new_version_and_matches_transformers_in_bf16(stack, hf_model):
     pub, base, _, stubs = stack
     weights = perturbed(base, 2)
-    pub.publish(weights.items(), 2)
+    pub.publish(list(weights.items()), 2)
     deadline = time.monotonic() + 60
     while versions(stubs) != [2, 2] and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -115,7 +135,7 @@ def test_no_shared_memory_left_after_shutdown(stack, segments_of):
     for r in replicas:
         r.stop(timeout=60)
         assert segments_of(r.proc.pid) == [], r.logs()[-3000:]
-    paths = pub.segment_paths
+    paths = pub.segment_paths()
     assert all(p.exists() for p in paths)
     pub.close()
     assert not any(p.exists() for p in paths)

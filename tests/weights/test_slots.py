@@ -303,6 +303,8 @@ def test_control_socket_serves_latest_and_tcp_bytes(sync_cfg):
         reader = slot.SlotReader(bytearray(data), 4, fetched.seq, latest.manifest_xxh3)
         reader.verify()
         assert all(t.dtype == torch.float16 and torch.all(t == 1.5) for _, t in reader.tensors())
+        with pytest.raises(protocol.ProtocolError, match="slot 7 does not exist"):
+            protocol.decode_reply(_ask(req, protocol.fetch_request(4, 7))[0])
         with pytest.raises(protocol.ProtocolError, match="version 3 is gone"):
             protocol.decode_reply(_ask(req, protocol.fetch_request(3, 0))[0])
         req.close(linger=0)
@@ -322,8 +324,7 @@ def test_hostile_control_requests_get_an_error_and_the_channel_keeps_serving(syn
             wrong_revision.SerializeToString(): "protocol revision 99, this side speaks 1",
             protocol.pb.WeightControlRequest(protocol=1).SerializeToString(): "neither `latest` nor `fetch`",
             b"x" * 100_000: "control request of 100000 bytes",
-            protocol.fetch_request(1, 7): "slot 7 does not exist",
-            protocol.fetch_request(1, 0): "version 1 is gone",
+            protocol.fetch_request(1, 0): "weight bytes are served only with weights.transport=tcp",
         }
         for message, expected in cases.items():
             with pytest.raises(protocol.ProtocolError, match=expected):
@@ -338,6 +339,45 @@ def test_hostile_control_requests_get_an_error_and_the_channel_keeps_serving(syn
         pub.publish(state(1.0).items(), 1)
         assert protocol.decode_announcement(sub.recv_multipart()).version == 1
         assert protocol.decode_reply(_ask(req, protocol.latest_request())[0]).latest.version == 1
+        for s in (req, sub):
+            s.close(linger=0)
+
+
+def test_with_a_token_only_signed_requests_are_served_and_every_reply_is_signed(sync_cfg):
+    """The run's token: an unsigned or wrongly signed request gets a refusal (signed, so the sampler can trust it),
+    never weight bytes; a signed fetch gets the bytes with a MAC over them too, so an altered byte is caught."""
+    cfg = sync_cfg(transport="tcp")
+    signer, stranger = protocol.Signer(b"run-secret"), protocol.Signer(b"guess")
+    with WeightPublisher(cfg, "signed", dtype="float32", token=b"run-secret") as pub, zmq.Context() as ctx:
+        pub.publish(state(1.0).items(), 1)
+        req = ctx.socket(zmq.REQ)
+        req.connect(f"tcp://127.0.0.1:{cfg.control_port}")
+
+        def ask(frames: list[bytes]) -> list[bytes]:
+            req.send_multipart(frames)
+            return signer.open(req.recv_multipart(), "reply")  # every reply verifies with the token
+
+        fetch = protocol.fetch_request(1, pub.latest.slot)
+        for frames, refusal in (([fetch], "not signed"), (stranger.seal([fetch]), "bad signature"),
+                                ([fetch, b"\0" * 32], "bad signature")):
+            reply = ask(frames)
+            assert len(reply) == 1  # no bytes frame
+            with pytest.raises(protocol.ProtocolError, match=refusal):
+                protocol.decode_reply(reply[0])
+        meta, data = ask(signer.seal([fetch]))
+        assert protocol.decode_reply(meta).fetched.nbytes == len(data)
+        req.send_multipart(signer.seal([fetch]))
+        tampered = req.recv_multipart()
+        tampered[1] = b"\x01" + tampered[1][1:]
+        with pytest.raises(protocol.ProtocolError, match="bad signature"):
+            signer.open(tampered, "fetch reply")
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, protocol.TOPIC)
+        sub.connect(f"tcp://127.0.0.1:{cfg.announce_port}")
+        frames = sub.recv_multipart()
+        assert protocol.decode_announcement(signer.open(frames, "announcement")).version == 1
+        with pytest.raises(protocol.ProtocolError, match="bad signature"):
+            stranger.open(frames, "announcement")
         for s in (req, sub):
             s.close(linger=0)
 
