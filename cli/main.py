@@ -21,13 +21,13 @@ if TYPE_CHECKING:
 def _sampler(cfg: StackConfig) -> int:
     from dgrpo.sampler.server import main
 
-    return main(cfg.model, cfg.sampler, cfg.weights)
+    return main(cfg.model, cfg.sampler, cfg.weights, cfg.auth)
 
 
 def _rewarder(cfg: StackConfig) -> int:
     from dgrpo.rewarder.server import main
 
-    return main(cfg.rewarder)
+    return main(cfg.rewarder, cfg.auth)
 
 
 def _learner(cfg: StackConfig) -> int:
@@ -45,10 +45,11 @@ def _show_config(cfg: StackConfig) -> int:
 WHOLE_STACK = {"learner"}
 # command -> (one-line purpose, config sections shown in --help, what runs it with the StackConfig)
 COMMANDS: dict[str, tuple[str, tuple[str, ...], Callable[[StackConfig], int]]] = {
-    "sampler": ("serve one sampler replica (vLLM engine over gRPC)", ("model", "sampler", "weights"), _sampler),
-    "rewarder": ("serve the reward service", ("rewarder",), _rewarder),
-    "learner": ("run GRPO training, driving samplers and rewarder", ("model", "learner", "sampler", "weights"),
-                _learner),
+    "sampler": ("serve one sampler replica (vLLM engine over gRPC)", ("model", "sampler", "weights", "auth"),
+                _sampler),
+    "rewarder": ("serve the reward service", ("rewarder", "auth"), _rewarder),
+    "learner": ("run GRPO training, driving samplers and rewarder",
+                ("model", "learner", "sampler", "weights", "auth"), _learner),
     "show-config": ("print the fully resolved configuration as YAML", (), _show_config),
 }
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
+from dgrpo.common.auth import AuthConfig
 from dgrpo.common.config import ConfigError, StrictConfig
 from dgrpo.common.model_config import ModelConfig
 from dgrpo.learner.config import LearnerConfig, LearnerRunConfig
@@ -30,6 +31,8 @@ class StackConfig(StrictConfig):
     """GRPO trainer and loop driver."""
     weights: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
     """Weight sync from the learner to every sampler."""
+    auth: AuthConfig = Field(default_factory=AuthConfig)
+    """The shared token every gRPC service requires and every client sends (docs/security.md)."""
 
     def check_whole_stack(self) -> None:
         """Checks that span services, run by the commands that drive the whole stack (learner, up).
@@ -46,4 +49,5 @@ class StackConfig(StrictConfig):
     def learner_run(self) -> LearnerRunConfig:
         """The learner's sections, the sampler addresses it drives, and this whole config for its records."""
         return LearnerRunConfig(model=self.model, learner=self.learner, weights=self.weights,
-                                sampler_addresses=self.sampler.addresses, stack=self.model_dump(mode="json"))
+                                sampler_addresses=self.sampler.addresses, auth=self.auth,
+                                stack=self.model_dump(mode="json"))

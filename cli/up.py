@@ -5,6 +5,9 @@ its own port overrides, so there is one source of truth. Ports are picked free a
 the test suite) can share a machine. Each service's output is prefixed with its name and also kept in
 `<run>/logs/<service>.log`.
 
+Every service binds 127.0.0.1. With a token (`auth.token_file` or `DGRPO_TOKEN`, inherited by every child),
+each of them requires it and the learner's clients send it; health, which `up` polls, needs none.
+
 Supervision, as `docker compose up` does it: the rewarder and samplers start first and must answer gRPC health
 SERVING; then the learner runs. When the learner finishes, everything is stopped and a report is written.
 Ctrl-C (or SIGTERM) asks the learner to stop after its step (it checkpoints), then stops the rest. If any service
@@ -231,6 +234,7 @@ def resolve_stack(args) -> tuple:
     ]
     cfg = load_config(StackConfig, config_file, [*args.overrides, *extra])
     cfg.check_whole_stack()
+    cfg.auth.token()  # a bad token file fails here, once; the services read the same file (or inherit DGRPO_TOKEN)
     return cfg, run_dir, sampler_ports, rewarder_port
 
 

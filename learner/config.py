@@ -16,6 +16,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, model_validator
 
+from dgrpo.common.auth import AuthConfig
 from dgrpo.common.config import StrictConfig
 from dgrpo.common.model_config import ModelConfig
 from dgrpo.learner.actor_config import ActorConfig, AlgorithmConfig, CheckpointConfig, OptimConfig
@@ -49,8 +50,9 @@ class TrainerConfig(StrictConfig):
     event files; wandb: Weights & Biases (needs `pip install wandb` and a login; fails at start otherwise)."""
     wandb_project: str = "dgrpo"
     """W&B project, with loggers including wandb."""
-    control_host: str = "0.0.0.0"
-    """Address the learner control service (Status, Stop; health and reflection) binds."""
+    control_host: str = "127.0.0.1"
+    """Address the learner control service (Status, Stop; health and reflection) binds. Loopback by default: Stop
+    ends the run, so bind `0.0.0.0` only together with a token (`auth.token_file` or DGRPO_TOKEN)."""
     control_port: int | None = Field(default=50053, ge=0, le=65535)
     """Port of the learner control service (0: any free port, logged; null: no control service)."""
 
@@ -96,6 +98,8 @@ class LearnerRunConfig(StrictConfig):
     """How published weights reach the samplers."""
     sampler_addresses: list[str]
     """`sampler.addresses`: the replicas the rollout client reaches."""
+    auth: AuthConfig = Field(default_factory=AuthConfig)
+    """`auth`: the token its clients send and its control service requires."""
     stack: dict[str, Any]
     """The whole resolved stack config (JSON types), written to the run's config.yaml and given to the metrics
     loggers, so a run records every service's settings, not only the learner's."""

@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 
 from dgrpo.common import grpc_server
+from dgrpo.common.auth import server_interceptors
 from dgrpo.v1 import learner_pb2, learner_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -54,10 +55,14 @@ class LearnerServicer(learner_pb2_grpc.LearnerServicer):
         return learner_pb2.StopResponse(stopping_after_step=self.state.step + 1)
 
 
-async def start_control_server(state: LoopState, host: str, port: int) -> grpc_server.GrpcServer:
-    """Serve Status/Stop with health and reflection, SERVING at once: the loop state answers from setup on."""
-    server = grpc_server.create_server(LearnerServicer(state), learner_pb2_grpc.add_LearnerServicer_to_server,
-                                       SERVICE_NAME, host=host, port=port, config_key="learner.trainer.control_port")
+async def start_control_server(state: LoopState, host: str, port: int,
+                               token: str | None = None) -> grpc_server.GrpcServer:
+    """Serve Status/Stop with health and reflection, SERVING at once: the loop state answers from setup on. With a
+    `token`, Status and Stop must carry it (`common/auth.py`): Stop ends the run."""
+    server = grpc_server.create_server(
+        LearnerServicer(state), learner_pb2_grpc.add_LearnerServicer_to_server, SERVICE_NAME, host=host, port=port,
+        config_key="learner.trainer.control_port",
+        interceptors=server_interceptors(token, host=host, config_key="learner.trainer.control_host"))
     await server.start()
     await server.set_serving(True)
     log.info("learner control service on %s:%d (Status, Stop; health, reflection)", host, server.port)

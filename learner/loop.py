@@ -121,12 +121,14 @@ class Trainer:
     async def _start_clients(self) -> None:
         """gRPC clients live on the running event loop, so they are created inside it."""
         lc = self.lc
-        self.rollout = RolloutClient(self.cfg.sampler_addresses, lc.rollout)
+        token = self.cfg.auth.token()  # the stack's shared token (none: no authentication)
+        self.rollout = RolloutClient(self.cfg.sampler_addresses, lc.rollout, token=token)
         self.rewarder = RewardClient(lc.rollout.rewarder_address, timeout_s=lc.rollout.reward_timeout_s,
-                                     retry_backoff_s=lc.rollout.retry_backoff_s)
+                                     retry_backoff_s=lc.rollout.retry_backoff_s, token=token)
         self.control = None
         if lc.trainer.control_port is not None:
-            self.control = await start_control_server(self.state, lc.trainer.control_host, lc.trainer.control_port)
+            self.control = await start_control_server(self.state, lc.trainer.control_host, lc.trainer.control_port,
+                                                      token=token)
 
     # ---- the loop ------------------------------------------------------------------------------------
 

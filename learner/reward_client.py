@@ -19,6 +19,7 @@ from typing import Any
 import grpc
 from google.protobuf import struct_pb2
 
+from dgrpo.common import auth
 from dgrpo.common.retry import Backoff
 from dgrpo.learner.rollout import CLIENT_OPTIONS
 from dgrpo.v1 import rewarder_pb2, rewarder_pb2_grpc
@@ -78,10 +79,11 @@ def _spec_name(spec: rewarder_pb2.RewardSpecRef) -> str:
 class RewardClient:
     """Scores groups against one rewarder address, surviving its restarts."""
 
-    def __init__(self, address: str, *, timeout_s: float, retry_backoff_s: float = 0.5, max_backoff_s: float = 5.0):
+    def __init__(self, address: str, *, timeout_s: float, retry_backoff_s: float = 0.5, max_backoff_s: float = 5.0,
+                 token: str | None = None):
         self.address, self.timeout_s = address, timeout_s
         self.retry_backoff_s, self.max_backoff_s = retry_backoff_s, max_backoff_s
-        self._channel = grpc.aio.insecure_channel(address, options=CLIENT_OPTIONS)
+        self._channel = auth.insecure_channel(address, token, CLIENT_OPTIONS)
         self._stub = rewarder_pb2_grpc.RewarderStub(self._channel)
 
     async def info(self, timeout: float = 10.0) -> rewarder_pb2.RewarderInfo:

@@ -192,8 +192,9 @@ def function_name(f: _FunctionBase) -> str:
 class RewarderConfig(StrictConfig):
     """The reward service."""
 
-    host: str = "0.0.0.0"
-    """Address the gRPC server binds."""
+    host: str = "127.0.0.1"
+    """Address the gRPC server binds. Loopback by default: only this host can call it; `0.0.0.0` (all interfaces, e.g.
+    inside a container) together with a token (`auth.token_file` or DGRPO_TOKEN; docs/security.md)."""
     port: int = Field(default=50052, ge=0, le=65535)
     """gRPC port (0: any free port)."""
     metrics_port: int | None = Field(default=None, ge=0, le=65535)

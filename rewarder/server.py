@@ -13,6 +13,7 @@ import signal
 import grpc
 
 from dgrpo.common import grpc_server
+from dgrpo.common.auth import AuthConfig, server_interceptors
 from dgrpo.common.logs import setup_logging
 from dgrpo.rewarder import convert, metrics
 from dgrpo.rewarder.config import RewarderConfig
@@ -64,12 +65,14 @@ class RewarderServicer(rewarder_pb2_grpc.RewarderServicer):
         )
 
 
-def create_server(config: RewarderConfig) -> tuple[grpc_server.GrpcServer, Scorer]:
-    """The bound server (health NOT_SERVING from `start()` until `serve` has loaded the spec) and its scorer."""
+def create_server(config: RewarderConfig, token: str | None = None) -> tuple[grpc_server.GrpcServer, Scorer]:
+    """The bound server (health NOT_SERVING from `start()` until `serve` has loaded the spec) and its scorer. With
+    a `token`, every call but health and reflection must carry it (`common/auth.py`)."""
     scorer = Scorer(config)
     server = grpc_server.create_server(
         RewarderServicer(scorer), rewarder_pb2_grpc.add_RewarderServicer_to_server, SERVICE_NAME,
         host=config.host, port=config.port, config_key="rewarder.port",
+        interceptors=server_interceptors(token, host=config.host, config_key="rewarder.host"),
     )
     return server, scorer
 
@@ -82,8 +85,8 @@ async def _reload_on_sighup(scorer: Scorer) -> None:
         log.error("SIGHUP reload rejected, the active spec stays: %s", e)
 
 
-async def serve(config: RewarderConfig) -> int:
-    server, scorer = create_server(config)
+async def serve(config: RewarderConfig, token: str | None = None) -> int:
+    server, scorer = create_server(config, token)
     await server.start()
     log.info("rewarder listening on %s:%d, loading the reward spec into %d workers", config.host, server.port,
              config.workers)
@@ -108,7 +111,8 @@ async def serve(config: RewarderConfig) -> int:
     return 0
 
 
-def main(config: RewarderConfig) -> int:
-    """`dgrpo rewarder`: serve the `rewarder` section until SIGTERM."""
+def main(config: RewarderConfig, auth: AuthConfig | None = None) -> int:
+    """`dgrpo rewarder`: serve the `rewarder` section until SIGTERM (with `auth`'s token, if one is set)."""
     setup_logging("rewarder")
-    return asyncio.run(serve(config))
+    token = (auth or AuthConfig()).token()
+    return asyncio.run(serve(config, token))

@@ -12,8 +12,9 @@ from dgrpo.common.config import StrictConfig
 class SamplerConfig(StrictConfig):
     """One sampler replica (vLLM / vllm-ascend engine behind gRPC)."""
 
-    host: str = "0.0.0.0"
-    """Address the gRPC server binds."""
+    host: str = "127.0.0.1"
+    """Address the gRPC server binds. Loopback by default: only this host can call it; `0.0.0.0` (all interfaces, e.g.
+    inside a container) together with a token (`auth.token_file` or DGRPO_TOKEN; docs/security.md)."""
     port: int = Field(default=50051, ge=0, le=65535)
     """gRPC port (0: pick a free one and print it)."""
     metrics_port: int | None = Field(default=None, ge=0, le=65535)

@@ -126,6 +126,8 @@ class WeightPublisher:
         a dict's items give their own."""
         if self._finalizer.alive is False:
             raise RuntimeError("publish() after close()")
+        if not self._thread.is_alive():  # samplers would never hear of this version: fail the run loudly instead
+            raise RuntimeError("the weight channel's control thread has stopped; samplers cannot follow new versions")
         last = self.latest_version
         if version <= last:
             raise ValueError(f"publish(version={version}): versions must increase (last published {last})")

@@ -382,6 +382,15 @@ def test_with_a_token_only_signed_requests_are_served_and_every_reply_is_signed(
             s.close(linger=0)
 
 
+def test_a_dead_control_thread_fails_the_next_publish_loudly(sync_cfg):
+    with WeightPublisher(sync_cfg(), "dead", dtype="float32") as pub:
+        pub.publish(state(1.0).items(), 1)
+        pub._stop.set()  # what an unexpected exit of the thread would leave
+        pub._thread.join(5)
+        with pytest.raises(RuntimeError, match="control thread has stopped"):
+            pub.publish(state(2.0).items(), 2)
+
+
 def test_bad_run_id_is_refused(sync_cfg):
     with pytest.raises(ValueError, match="run_id"):
         WeightPublisher(sync_cfg(), "a/b")
