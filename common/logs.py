@@ -1,9 +1,42 @@
-"""One log format for every service, so `dgrpo up` can prefix and interleave them readably."""
+"""One log format for every service, so `dgrpo up` can prefix and interleave them readably; `printable` makes
+text a client sent safe to put in a log line."""
 
 from __future__ import annotations
 
 import logging
 import os
+import unicodedata
+
+_ESCAPES = {"\\": "\\\\", "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _escape(ch: str) -> str:
+    if ch in _ESCAPES:
+        return _ESCAPES[ch]
+    # Control, format (bidi overrides, zero-width), surrogate, private and unassigned characters, and the Unicode
+    # line / paragraph separators: each could fake a line or hide text in a terminal.
+    if unicodedata.category(ch)[0] == "C" or ch in "\u2028\u2029":
+        code = ord(ch)
+        return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
+    return ch
+
+
+def printable(text: object, limit: int = 200) -> str:
+    """`text` as one log-safe line: newlines, control and invisible characters escaped (a backslash too, so the
+    escapes are unambiguous), at most `limit` characters of output plus a marker saying how many were cut.
+
+    For anything a client chose (a stop reason, a spec name, an error quoting a request): raw, a 1 MB reason with
+    newlines would write forged lines into the log."""
+    text = str(text)
+    out: list[str] = []
+    size = 0
+    for i, ch in enumerate(text):
+        piece = _escape(ch)
+        if size + len(piece) > limit:
+            return "".join(out) + f"...[{len(text) - i} more chars]"
+        out.append(piece)
+        size += len(piece)
+    return "".join(out)
 
 
 def setup_logging(service: str, level: str | None = None) -> logging.Logger:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from dgrpo.common import grpc_server
 from dgrpo.common.auth import server_interceptors
+from dgrpo.common.logs import printable
 from dgrpo.v1 import learner_pb2, learner_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -33,8 +34,10 @@ class LoopState:
     stop_reason: str = ""
 
     def request_stop(self, reason: str) -> None:
+        """Any client may send the reason: it is kept and logged escaped and bounded (one line, 200 characters)."""
+        reason = printable(reason) if reason else "no reason given"
         if not self.stop_requested:
-            log.info("stop requested (%s): finishing step %d first", reason or "no reason given", self.step + 1)
+            log.info("stop requested (%s): finishing step %d first", reason, self.step + 1)
         self.stop_requested, self.stop_reason = True, reason
 
 

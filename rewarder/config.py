@@ -204,6 +204,11 @@ class RewarderConfig(StrictConfig):
     spec_file: str | None = None
     """YAML/JSON file holding the reward specification; when set it replaces `spec`, and Reload without text and
     SIGHUP re-read it (edit the file, send SIGHUP)."""
+    allowed_dirs: list[Annotated[str, Field(min_length=1)]] | None = None
+    """Folders every reward file (`type: file`) and reward model (`type: model`) must lie in, after resolving
+    symlinks and `..`, for every spec: at start, on SIGHUP and on Reload (a client may not pick files elsewhere).
+    Unset: the folder of spec_file, or for an inline spec the folders of the files and models it names itself
+    (none when it names none: then a Reload may use built-ins only). []: built-ins only."""
     workers: int = Field(default=2, ge=1, le=256)
     """Worker processes running the reward functions (user code never runs in the server process)."""
     call_timeout_s: float = Field(default=60.0, gt=0, le=3600)

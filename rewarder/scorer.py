@@ -13,10 +13,19 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from dgrpo.common.logs import printable
 from dgrpo.rewarder import metrics
 from dgrpo.rewarder.config import RewarderConfig, RewardSpec
 from dgrpo.rewarder.pool import CallFailed, WorkerPool
-from dgrpo.rewarder.spec import SpecRef, SpecSnapshot, parse_spec_text, read_spec_file, snapshot
+from dgrpo.rewarder.spec import (
+    SpecRef,
+    SpecSnapshot,
+    allowed_dirs,
+    check_paths,
+    parse_spec_text,
+    read_spec_file,
+    snapshot,
+)
 
 log = logging.getLogger("dgrpo.rewarder")
 
@@ -79,6 +88,7 @@ def _prompt_chars(prompt) -> int:
 class Scorer:
     def __init__(self, config: RewarderConfig):
         self.config = config
+        self.allowed_dirs = allowed_dirs(config)  # fixed at start: the folders every spec's files must lie in
         self._active: _Generation | None = None
         self._reload_lock = asyncio.Lock()
         self._versions = 0
@@ -101,6 +111,7 @@ class Scorer:
         SpecError leaves the active spec untouched."""
         async with self._reload_lock:
             spec = parse_spec_text(spec_text) if spec_text else self.configured_spec()
+            check_paths(spec, self.allowed_dirs)
             snap = snapshot(spec)
             old = self._active
             if old is not None and old.snap.content_hash == snap.content_hash:
@@ -112,7 +123,7 @@ class Scorer:
             ref = SpecRef(spec.name, self._versions, snap.content_hash)
             self._active = _Generation(snap, ref, pool)
             metrics.set_active_spec(ref)
-            log.info("reward spec %r version %d (%s) active after %.1fs", ref.name, ref.version,
+            log.info("reward spec '%s' version %d (%s) active after %.1fs", printable(ref.name), ref.version,
                      ref.content_hash[:12], time.monotonic() - started)
             if old is not None:
                 self._retire(old)

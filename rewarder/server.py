@@ -14,7 +14,7 @@ import grpc
 
 from dgrpo.common import grpc_server
 from dgrpo.common.auth import AuthConfig, server_interceptors
-from dgrpo.common.logs import setup_logging
+from dgrpo.common.logs import printable, setup_logging
 from dgrpo.rewarder import convert, metrics
 from dgrpo.rewarder.config import RewarderConfig
 from dgrpo.rewarder.scorer import NotReady, RequestError, Scorer, ScoringFailed
@@ -58,7 +58,7 @@ class RewarderServicer(rewarder_pb2_grpc.RewarderServicer):
         try:
             ref, previous, changed = await self.scorer.reload(request.spec_text or None)
         except SpecError as e:
-            log.error("reload rejected, the active spec stays: %s", e)
+            log.error("reload rejected, the active spec stays: %s", printable(e, limit=2000))  # quotes the request
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return pb.ReloadResponse(
             spec=convert.spec_ref_to_proto(ref), previous=convert.spec_ref_to_proto(previous or ref), changed=changed

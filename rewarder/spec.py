@@ -4,6 +4,10 @@ The server process only snapshots: it reads the user files' source text and the 
 hashes them with the spec. Worker processes build the callables from that snapshot (`build_functions`), so a
 replacement worker runs exactly the code the hash names even if the file changed on disk meanwhile; the file
 is read again only on Reload / SIGHUP.
+
+Files and models come only from allowed folders (`rewarder.allowed_dirs`, `check_paths`), and a user file that
+does not import is reported by path, exception type and line, never with its text: a client that could name any
+file would otherwise run it, or read it back through the error message.
 """
 
 from __future__ import annotations
@@ -11,7 +15,9 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import logging
 import sys
+import traceback
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +25,10 @@ from pathlib import Path
 import yaml
 from pydantic import ValidationError
 
-from dgrpo.rewarder.config import FileFunction, ModelFunction, RewardSpec, function_name
+from dgrpo.common.logs import printable
+from dgrpo.rewarder.config import FileFunction, ModelFunction, RewarderConfig, RewardSpec, function_name
+
+log = logging.getLogger("dgrpo.rewarder.spec")
 
 
 class SpecError(ValueError):
@@ -104,6 +113,38 @@ def read_spec_file(path: str) -> RewardSpec:
     return parse_spec_text(p.read_text(), f"spec file {path!r}")
 
 
+def allowed_dirs(config: RewarderConfig) -> list[Path]:
+    """The resolved folders reward files and models may come from (the rewarder.allowed_dirs docstring says why
+    this default): computed once at start, so a later edit of the configured spec cannot widen them."""
+    if config.allowed_dirs is not None:
+        return [Path(d).expanduser().resolve() for d in config.allowed_dirs]
+    if config.spec_file:
+        # The folder, not the file, resolved: a spec file that is a symlink (a Kubernetes ConfigMap) keeps its folder.
+        return [Path(config.spec_file).expanduser().absolute().parent.resolve()]
+    folders = []
+    for f in config.spec.functions:
+        if isinstance(f, FileFunction):
+            folders.append(Path(_abspath(f.path)).parent)
+        elif isinstance(f, ModelFunction):
+            folders.append(Path(_abspath(f.path)))
+    return sorted(set(folders))
+
+
+def check_paths(spec: RewardSpec, allowed: list[Path]) -> None:
+    """SpecError unless every file and model path resolves (symlinks, `..`) inside one of the `allowed` folders.
+
+    Checked before anything is opened, so a refused path also tells nothing about whether it exists."""
+    for i, f in enumerate(spec.functions):
+        if not isinstance(f, (FileFunction, ModelFunction)):
+            continue
+        resolved = Path(_abspath(f.path))
+        if not any(resolved.is_relative_to(d) for d in allowed):
+            raise SpecError(
+                f"reward function {function_name(f)!r}: functions[{i}].path {f.path!r} is outside the folders reward "
+                "files and models may be loaded from (rewarder.allowed_dirs)"
+            )
+
+
 def _model_identity(folder: Path) -> bytes:
     """config.json plus the names and sizes of the weight files: cheap, and changes when the checkpoint does."""
     parts = [(folder / "config.json").read_bytes()]
@@ -123,8 +164,10 @@ def snapshot(spec: RewardSpec) -> SpecSnapshot:
                 raise SpecError(f"reward function {function_name(f)!r}: reward file {f.path!r} does not exist")
             try:
                 sources[str(path)] = path.read_text()
-            except (OSError, UnicodeDecodeError) as e:
-                raise SpecError(f"reward function {function_name(f)!r}: cannot read {f.path!r}: {e}") from None
+            except OSError as e:
+                raise SpecError(f"reward function {function_name(f)!r}: cannot read {f.path!r}: {e.strerror}") from None
+            except UnicodeDecodeError:
+                raise SpecError(f"reward function {function_name(f)!r}: {f.path!r} is not UTF-8 text") from None
             digest.update(f"\nfile {path}\n".encode() + sources[str(path)].encode())
         elif isinstance(f, ModelFunction):
             folder = Path(_abspath(f.path))
@@ -158,7 +201,7 @@ def _load_user_function(f: FileFunction, snap: SpecSnapshot):
             exec(compile(source, path, "exec"), module.__dict__)  # noqa: S102
         except BaseException as e:  # noqa: BLE001 - user code: any failure is a load error, SystemExit included
             del sys.modules[module_name]
-            raise SpecError(f"{label} does not import: {type(e).__name__}: {e}") from None
+            raise SpecError(f"{label} does not import: {import_failure(e, path)}") from None
     fn = getattr(module, f.function, None)
     if fn is None:
         defined = sorted(n for n, v in vars(module).items() if inspect.isfunction(v) and not n.startswith("_"))
@@ -166,6 +209,18 @@ def _load_user_function(f: FileFunction, snap: SpecSnapshot):
     if not callable(fn):
         raise SpecError(f"{label}: {f.function!r} is a {type(fn).__name__}, not a function")
     return fn
+
+
+def import_failure(e: BaseException, path: str) -> str:
+    """`NameError at line 3`: the type and the file's line only. Messages quote the file (a NameError names the
+    word, a SyntaxError can carry the line), so they stay in this process's log (the server's stderr), escaped."""
+    line = e.lineno if isinstance(e, SyntaxError) and e.filename == path else None
+    for frame in traceback.extract_tb(e.__traceback__):
+        if frame.filename == path:
+            line = frame.lineno
+    for text in "".join(traceback.format_exception(e)).splitlines():
+        log.error("%s: %s", printable(path), printable(text, limit=500))
+    return type(e).__name__ + (f" at line {line}" if line else "") + " (the rewarder's log has the traceback)"
 
 
 def build_functions(snap: SpecSnapshot) -> list:

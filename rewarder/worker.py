@@ -22,6 +22,8 @@ import sys
 import traceback
 from multiprocessing.connection import Connection
 
+from dgrpo.common.logs import setup_logging
+
 
 def check_values(values, n: int) -> list[float | None | str]:
     """Validate a reward function's return value for n completions (raises ValueError on a wrong shape)."""
@@ -45,8 +47,11 @@ def check_values(values, n: int) -> list[float | None | str]:
 
 
 def describe_exception(e: BaseException) -> str:
-    """`TypeError: msg (at file.py:12)`: the innermost frame, which is usually the user's line."""
+    """`TypeError: msg (at file.py:12)`: the innermost frame, which is usually the user's line. A SyntaxError
+    (a file compiled or imported during the call) quotes that file, so it gets its type and place only."""
     frames = traceback.extract_tb(e.__traceback__)
+    if isinstance(e, SyntaxError):
+        return f"raised {type(e).__name__} (at {e.filename}:{e.lineno})"
     where = f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
     return f"raised {type(e).__name__}: {e}{where}"
 
@@ -96,6 +101,7 @@ def _die_with_parent() -> None:
 
 def main(fd: int) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the server, which stops us itself
+    setup_logging("rewarder")  # load failures log their traceback here (stderr, shared with the server)
     _die_with_parent()
     conn = Connection(fd)
     snap = conn.recv()

@@ -138,12 +138,14 @@ def test_spec_text_errors_name_the_problem(tmp_path):
 def test_bad_reward_files_are_rejected_at_build(tmp_path):
     broken = tmp_path / "broken.py"
     broken.write_text("def reward_func(prompts, completions, **kw):\n    return [\n")
-    with pytest.raises(SpecError, match="does not import: SyntaxError"):
+    with pytest.raises(SpecError, match="does not import: SyntaxError at line 2 ") as err:
         build_functions(snapshot(parse_spec_text(f"functions: [{{type: file, path: {broken}}}]")))
+    assert "never closed" not in str(err.value)  # the type and the line, not what the compiler said about it
     failing = tmp_path / "failing.py"
-    failing.write_text("import not_a_module_anywhere\n")
-    with pytest.raises(SpecError, match="does not import: ModuleNotFoundError"):
+    failing.write_text("x = 1\nimport not_a_module_anywhere\n")
+    with pytest.raises(SpecError, match="does not import: ModuleNotFoundError at line 2 ") as err:
         build_functions(snapshot(parse_spec_text(f"functions: [{{type: file, path: {failing}}}]")))
+    assert "not_a_module_anywhere" not in str(err.value)
     other = tmp_path / "other.py"
     other.write_text("def something(prompts, completions, **kw):\n    return [0.0] * len(completions)\n")
     with pytest.raises(SpecError, match=r"has no function 'reward_func' \(it defines: something\)"):

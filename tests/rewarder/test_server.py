@@ -104,6 +104,10 @@ def test_rewarder_service_end_to_end(tmp_path, service_factory, free_port):
 
         with pytest.raises(grpc.RpcError) as err:
             stub.Reload(pb.ReloadRequest(spec_text="functions: [{type: file, path: /nonexistent.py}]"), timeout=60)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "rewarder.allowed_dirs" in err.value.details()
+        with pytest.raises(grpc.RpcError) as err:  # inside the spec file's folder
+            stub.Reload(pb.ReloadRequest(spec_text=f"functions: [{{type: file, path: {tmp_path}/missing.py}}]"),
+                        timeout=60)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "does not exist" in err.value.details()
         assert stub.Info(pb.RewarderInfoRequest(), timeout=10).spec.version == 1
 
