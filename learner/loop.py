@@ -106,10 +106,12 @@ class Trainer:
         self.state.step, self.state.weight_version, self.state.epoch = self.step_num, self.version, self.train_data.epoch
         if not self.ctx.is_main:
             return
-        # Weight publisher: samplers subscribe to its announcements.
+        # Weight publisher: samplers subscribe to its announcements (signed with the stack's token, if one is set).
         from dgrpo.weights.publisher import WeightPublisher
 
-        self.publisher = WeightPublisher(self.cfg.weights, lc.trainer.run_name, dtype=self.cfg.model.dtype)
+        token = self.cfg.auth.token()
+        self.publisher = WeightPublisher(self.cfg.weights, lc.trainer.run_name, dtype=self.cfg.model.dtype,
+                                         token=token.encode() if token else None)
         self.out_dir = Path(lc.trainer.log_dir) / lc.trainer.run_name
         self.metrics = MetricsLogger(lc.trainer.loggers, self.out_dir, lc.trainer.run_name,
                                      self.cfg.stack, lc.trainer.wandb_project)

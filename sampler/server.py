@@ -84,7 +84,9 @@ async def serve(model: ModelConfig, sampler: SamplerConfig, weights: WeightSyncC
 
         target = EngineWeightTarget(engine, weights.pause_mode)
         await target.start()
-        subscriber = WeightSubscriber(weights, target, checkpoint_shapes(model_path))
+        # The gRPC token also keys the weight channel: only the run's learner is followed.
+        subscriber = WeightSubscriber(weights, target, checkpoint_shapes(model_path),
+                                      token=token.encode() if token else None)
         await subscriber.start()  # a late replica catches up on the latest version before it serves
 
     if sampler.metrics_port is not None:
