@@ -94,13 +94,44 @@ def check_files(cfg: DataConfig, prefix: str = "learner.data") -> None:
             raise ConfigError(f"{prefix}.{key}={files!r}: mixes parquet and json files; use one format per list")
 
 
-def _jsonable(value: Any) -> Any:
-    """Extra columns go to the rewarder as a protobuf Struct: keep JSON types, stringify the rest."""
-    try:
-        json.dumps(value)
-        return value
-    except TypeError:
-        return json.loads(json.dumps(value, default=str))
+def _non_json(value: Any) -> str | None:
+    """Why `value` is not plain JSON (NaN / ±inf floats, other types), or None when it is.
+
+    Columns go to the reward functions as a protobuf Struct: NaN would arrive as a silent NaN reward input, and a
+    non-JSON type (bytes, a timestamp) has no faithful Struct form, so both are refused at load.
+    """
+    if value is None or isinstance(value, (bool, int, str)):
+        return None
+    if isinstance(value, float):
+        return None if math.isfinite(value) else f"{value} is not a finite number"
+    if isinstance(value, list):
+        return next((why for why in map(_non_json, value) if why), None)
+    if isinstance(value, dict):
+        if not all(isinstance(k, str) for k in value):
+            return "a mapping with non-string keys"
+        return next((why for why in map(_non_json, value.values()) if why), None)
+    return f"{type(value).__name__} is not a JSON type"
+
+
+def _file_of_row(files: list[str], row: int) -> str:
+    """Which file a row of the concatenated dataset came from (counted without decoding the rows)."""
+    if len(files) == 1:
+        return files[0]
+    start = 0
+    for name in files:
+        path = Path(name).expanduser()
+        if path.suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            count = pq.ParquetFile(path).metadata.num_rows
+        else:
+            text = path.read_text()
+            count = len(json.loads(text)) if text.lstrip().startswith("[") else sum(1 for ln in text.splitlines()
+                                                                                     if ln.strip())
+        if row < start + count:
+            return f"{name} (row {row - start} of that file)"
+        start += count
+    return str(files)
 
 
 def _as_messages(value: Any, row: int, key: str) -> list[dict[str, str]] | None:
@@ -140,6 +171,13 @@ def load_prompts(
     stats = LoadStats(rows=len(ds))
     records: list[PromptRecord] = []
     for row, example in enumerate(ds):
+        for key, value in example.items():
+            why = _non_json(value)
+            if why:
+                raise ConfigError(
+                    f"learner.data: {_file_of_row(files, row)}, row {row}, column {key!r}: {why} "
+                    "(every column must hold JSON values: fix or drop the row)"
+                )
         raw = example[cfg.prompt_key]
         messages = _as_messages(raw, row, cfg.prompt_key)
         prompt = messages if messages is not None else raw
@@ -150,7 +188,7 @@ def load_prompts(
                 continue
             ids = ids[-cfg.max_prompt_length :]
             stats.truncated_overlong += 1
-        extra = {k: _jsonable(v) for k, v in example.items() if k != cfg.prompt_key}
+        extra = {k: v for k, v in example.items() if k != cfg.prompt_key}
         records.append(PromptRecord(row=row, token_ids=tuple(ids), prompt=prompt, extra=extra))
     stats.kept = len(records)
     if stats.dropped_overlong or stats.truncated_overlong:

@@ -60,7 +60,18 @@ class SamplerConfig(StrictConfig):
     # --- serving ---
     max_prompts_per_request: int = Field(default=4096, ge=1)
     """Largest batch one Generate call may carry."""
+    max_prompt_chars: int | None = Field(default=None, ge=1)
+    """Longest text prompt (a chat counts the characters of all its messages) accepted for tokenization; longer ones
+    are refused with INVALID_ARGUMENT naming the prompt, before any tokenizer time is spent. Unset: 16 characters per
+    token of `max_model_len` — no prompt that fits the context is that long unless its tokens average over 16
+    characters (long runs of spaces in code can; raise it for such data). Token-id prompts are bounded by
+    `max_model_len` alone."""
     weight_wait_timeout_s: float = Field(default=120.0, gt=0)
     """Default bound on waiting for `min_weight_version` before answering DEADLINE_EXCEEDED."""
     shutdown_grace_s: float = Field(default=10.0, ge=0)
     """On SIGTERM: seconds in-flight streams may finish before they are aborted."""
+
+    @property
+    def prompt_char_limit(self) -> int:
+        """`max_prompt_chars`, or its default of 16 characters per token of `max_model_len`."""
+        return self.max_prompt_chars if self.max_prompt_chars is not None else 16 * self.max_model_len

@@ -12,6 +12,7 @@ import logging
 import math
 import uuid
 from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -100,6 +101,15 @@ def validate_sampling(s: SamplingRequest, vocab_size: int) -> None:
         raise InvalidRequest(f"sampling.stop_token_ids={bad}: outside the vocabulary (size {vocab_size})")
 
 
+def _is_validation_error(e: Exception) -> bool:
+    """vLLM's request validation raises VLLMValidationError (a VLLMClientError, not a ValueError) or ValueError."""
+    if isinstance(e, ValueError):
+        return True
+    from vllm.exceptions import VLLMClientError
+
+    return isinstance(e, VLLMClientError)
+
+
 def finish_reason(vllm_reason: str | None) -> FinishReason:
     if vllm_reason == "length":
         return "length"
@@ -122,6 +132,7 @@ class SamplerEngine:
         self._version_changed = asyncio.Condition()
         self._accepting = True
         self._active: set[asyncio.Task] = set()
+        self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dgrpo-tokenize")
 
     @classmethod
     def create(cls, model_cfg: ModelConfig, cfg: SamplerConfig, model_path: str, device: str) -> SamplerEngine:
@@ -200,6 +211,32 @@ class SamplerEngine:
 
     # --- generation ---
 
+    def check_size(self, prompt: PromptInput) -> None:
+        """Bound text before it reaches the tokenizer (cheap: a length, no tokenization)."""
+        given = [x is not None for x in (prompt.text, prompt.chat, prompt.token_ids)]
+        if sum(given) != 1:
+            raise InvalidRequest(f"prompt {prompt.id!r}: set exactly one of text, chat, token_ids")
+        if prompt.token_ids is not None:
+            return
+        chars = len(prompt.text) if prompt.text is not None else sum(len(c) for _, c in prompt.chat)
+        limit = self.cfg.prompt_char_limit
+        if chars > limit:
+            raise InvalidRequest(
+                f"prompt {prompt.id!r}: {chars} characters exceeds sampler.max_prompt_chars={limit} "
+                "(checked before tokenization)"
+            )
+
+    async def tokenize_batch(self, prompts: Sequence[PromptInput]) -> list[list[int]]:
+        """Size-check every prompt, then tokenize them off the event loop.
+
+        Tokenizing long text takes seconds of CPU; on the event loop it would stall every other RPC (health checks
+        included). One worker thread serializes the calls: HF fast tokenizers are not safe to share across threads.
+        """
+        for p in prompts:
+            self.check_size(p)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenizer_thread, lambda: [self.tokenize(p) for p in prompts])
+
     def tokenize(self, prompt: PromptInput) -> list[int]:
         given = [x is not None for x in (prompt.text, prompt.chat, prompt.token_ids)]
         if sum(given) != 1:
@@ -233,22 +270,28 @@ class SamplerEngine:
         return ids
 
     def _vllm_params(self, s: SamplingRequest):
+        """vLLM's SamplingParams; what vLLM itself refuses (n above its limit, greedy with n > 1, ...) -> InvalidRequest."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        return SamplingParams(
-            n=s.n,
-            temperature=s.temperature,
-            top_p=s.top_p,
-            top_k=s.top_k,  # 0 = off, as in vLLM
-            min_p=s.min_p,
-            max_tokens=s.max_tokens,
-            stop=list(s.stop) or None,
-            stop_token_ids=list(s.stop_token_ids) or None,
-            seed=s.seed,
-            logprobs=0,  # the sampled token's logprob only
-            output_kind=RequestOutputKind.FINAL_ONLY,  # the group is streamed once all n are done
-        )
+        try:
+            return SamplingParams(
+                n=s.n,
+                temperature=s.temperature,
+                top_p=s.top_p,
+                top_k=s.top_k,  # 0 = off, as in vLLM
+                min_p=s.min_p,
+                max_tokens=s.max_tokens,
+                stop=list(s.stop) or None,
+                stop_token_ids=list(s.stop_token_ids) or None,
+                seed=s.seed,
+                logprobs=0,  # the sampled token's logprob only
+                output_kind=RequestOutputKind.FINAL_ONLY,  # the group is streamed once all n are done
+            )
+        except Exception as e:
+            if _is_validation_error(e):
+                raise InvalidRequest(f"sampling: vLLM rejected the parameters: {e}") from None
+            raise
 
     async def _sample_group(self, prompt_id: str, ids: list[int], params) -> GroupResult:
         final = None
@@ -258,6 +301,8 @@ class SamplerEngine:
         except Exception as e:
             if self.llm.errored:  # the engine process died: this replica is gone, not the request
                 raise EngineUnavailable(f"vLLM engine died: {self.llm.dead_error}") from e
+            if _is_validation_error(e):  # add_request refused this prompt: retrying elsewhere cannot help
+                raise InvalidRequest(f"prompt {prompt_id!r}: vLLM rejected the request: {e}") from None
             raise
         if final is None:
             raise EngineUnavailable(f"prompt {prompt_id!r}: the engine returned no output (shutting down?)")
@@ -293,10 +338,10 @@ class SamplerEngine:
                 raise InvalidRequest(f"prompt id {p.id!r} appears twice in the batch")
             ids_seen.add(p.id)
         validate_sampling(sampling, self.vocab_size)
-        token_ids = [self.tokenize(p) for p in prompts]
+        params = self._vllm_params(sampling)
+        token_ids = await self.tokenize_batch(prompts)
         if min_weight_version:
             await self.wait_for_version(min_weight_version, weight_wait_timeout_s or self.cfg.weight_wait_timeout_s)
-        params = self._vllm_params(sampling)
         tasks = [asyncio.create_task(self._sample_group(p.id, ids, params)) for p, ids in zip(prompts, token_ids)]
         self._active.update(tasks)
         for t in tasks:
@@ -341,3 +386,4 @@ class SamplerEngine:
 
     def shutdown(self) -> None:
         self.llm.shutdown()
+        self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)

@@ -113,3 +113,26 @@ def test_stream_is_seeded_covers_each_epoch_and_resumes():
     with pytest.raises(ValueError, match="does not match"):
         PromptStream(_records(11), 4, seed=7).load_state_dict(state)
     assert [rows(PromptStream(_records(5), 2, shuffle=False).next_batch()) for _ in range(1)] == [[0, 1]]
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
+def test_non_finite_values_are_refused_at_load_naming_file_row_and_column(tmp_path, tokenizer, bad):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    good = str(tmp_path / "a.parquet")
+    pq.write_table(pa.table({"prompt": ["p0", "p1"], "score": [1.0, 2.0]}), good)
+    path = str(tmp_path / "b.parquet")
+    pq.write_table(pa.table({"prompt": ["p2", "p3"], "score": [3.0, bad]}), path)
+    with pytest.raises(ConfigError, match=rf"b\.parquet \(row 1 of that file\), row 3, column 'score': {bad}"):
+        load_prompts([good, path], DataConfig(train_files=[good, path]), tokenizer)
+
+
+def test_non_json_values_are_refused_at_load(tmp_path, tokenizer):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = str(tmp_path / "raw.parquet")
+    pq.write_table(pa.table({"prompt": ["p0"], "blob": [b"\x00\x01"]}), path)
+    with pytest.raises(ConfigError, match=r"raw\.parquet, row 0, column 'blob': bytes is not a JSON type"):
+        load_prompts([path], DataConfig(train_files=[path]), tokenizer)

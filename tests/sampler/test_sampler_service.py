@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import time
 import urllib.request
@@ -170,6 +171,11 @@ BAD_REQUESTS = [
     ("top_p = 0", [pb.Prompt(id="a", text="x")], {"top_p": 0.0}, "sampling.top_p"),
     ("no input", [pb.Prompt(id="a")], {}, "exactly one of"),
     ("duplicate ids", [pb.Prompt(id="a", text="x"), pb.Prompt(id="a", text="y")], {}, "appears twice"),
+    ("text too long", [pb.Prompt(id="huge", text="a" * (16 * MAX_MODEL_LEN + 1))], {},
+     f"prompt 'huge': {16 * MAX_MODEL_LEN + 1} characters exceeds sampler.max_prompt_chars={16 * MAX_MODEL_LEN}"),
+    # Refused by vLLM's own SamplingParams validation, not by ours: still INVALID_ARGUMENT, naming the field.
+    ("vllm n limit", [pb.Prompt(id="a", text="x")], {"n": 20000}, "n must be at most 16384"),
+    ("vllm greedy n > 1", [pb.Prompt(id="a", text="x")], {"n": 2, "temperature": 0.0}, "n must be 1 when using greedy"),
 ]
 
 
@@ -180,6 +186,25 @@ def test_bad_input_is_invalid_argument_and_server_keeps_serving(stub, prompts, s
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert expected in err.value.details()
     assert len(generate(stub, [pb.Prompt(id="ok", text="fine")])[0].completions) == 1
+
+
+def test_rollout_client_fails_the_step_at_once_on_a_request_vllm_refuses(sampler):
+    from dgrpo.learner.rollout import RolloutClient, RolloutConfig, RolloutError, make_prompt
+
+    cfg = RolloutConfig(retry_backoff_s=0.05, step_timeout_s=60)
+
+    async def scenario():
+        client = RolloutClient([sampler.address], cfg)
+        try:
+            async for _ in client.generate([make_prompt("p0", [1, 2])], pb.SamplingParams(n=20000, max_tokens=2)):
+                pass
+        finally:
+            await client.close()
+
+    start = time.monotonic()
+    with pytest.raises(RolloutError, match=r"rejected the request: INVALID_ARGUMENT: .*n must be at most 16384"):
+        asyncio.run(scenario())
+    assert time.monotonic() - start < 10, "the refused request was retried instead of failing the step"
 
 
 def test_weight_fence_times_out_with_clear_status(stub):
