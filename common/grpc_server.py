@@ -4,7 +4,8 @@ Lifecycle as a pair (grpc's own examples): a service's `create_server(config)` r
 `create_server` here, which adds health and reflection and binds (a failed bind names the config key);
 `serve_until_signal` runs it. Health answers NOT_SERVING from `start()` until the service has loaded what it needs
 and calls `set_serving(True)`; on SIGTERM/SIGINT it flips back to NOT_SERVING, lets in-flight work drain, and stops
-the server with a grace period. Server interceptors (authentication) are passed here and nowhere else.
+the server with a grace period. Server interceptors (the token check) and server credentials (TLS) are passed here
+and nowhere else (both come from `common/auth.py`).
 """
 
 from __future__ import annotations
@@ -83,9 +84,12 @@ def create_server(
     port: int,
     config_key: str,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    credentials: grpc.ServerCredentials | None = None,
 ) -> GrpcServer:
     """A server with `servicer` (registered by its generated `add_*Servicer_to_server`), health and reflection,
-    bound to host:port. `config_key` names the setting of the port in a BindError. Not started: call `start()`."""
+    bound to host:port, with TLS when `credentials` are given (`auth.Credentials.server_credentials()`; health and
+    reflection then answer over TLS too). `config_key` names the setting of the port in a BindError. Not started:
+    call `start()`."""
     server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=list(interceptors))
     add_servicer(servicer, server)
     health_servicer = health.aio.HealthServicer()
@@ -93,7 +97,8 @@ def create_server(
     reflection.enable_server_reflection([service_name, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     address = f"{host}:{port}"
     try:
-        bound = server.add_insecure_port(address)
+        bound = (server.add_insecure_port(address) if credentials is None
+                 else server.add_secure_port(address, credentials))
     except RuntimeError:  # grpcio raises "Failed to bind"; older versions returned port 0
         bound = 0
     if bound == 0:

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 
 from dgrpo.common import grpc_server
-from dgrpo.common.auth import server_interceptors
+from dgrpo.common.auth import Credentials, server_interceptors
 from dgrpo.common.logs import printable
 from dgrpo.v1 import learner_pb2, learner_pb2_grpc
 
@@ -59,13 +59,16 @@ class LearnerServicer(learner_pb2_grpc.LearnerServicer):
 
 
 async def start_control_server(state: LoopState, host: str, port: int,
-                               token: str | None = None) -> grpc_server.GrpcServer:
+                               credentials: Credentials | None = None) -> grpc_server.GrpcServer:
     """Serve Status/Stop with health and reflection, SERVING at once: the loop state answers from setup on. With a
-    `token`, Status and Stop must carry it (`common/auth.py`): Stop ends the run."""
+    token in `credentials`, Status and Stop must carry it: Stop ends the run; with TLS, it listens with TLS
+    (`common/auth.py`)."""
+    creds = credentials or Credentials()
     server = grpc_server.create_server(
         LearnerServicer(state), learner_pb2_grpc.add_LearnerServicer_to_server, SERVICE_NAME, host=host, port=port,
         config_key="learner.trainer.control_port",
-        interceptors=server_interceptors(token, host=host, config_key="learner.trainer.control_host"))
+        interceptors=server_interceptors(creds.token, host=host, config_key="learner.trainer.control_host"),
+        credentials=creds.server_credentials())
     await server.start()
     await server.set_serving(True)
     log.info("learner control service on %s:%d (Status, Stop; health, reflection)", host, server.port)

@@ -80,10 +80,10 @@ class RewardClient:
     """Scores groups against one rewarder address, surviving its restarts."""
 
     def __init__(self, address: str, *, timeout_s: float, retry_backoff_s: float = 0.5, max_backoff_s: float = 5.0,
-                 token: str | None = None):
+                 credentials: auth.Credentials | None = None):
         self.address, self.timeout_s = address, timeout_s
         self.retry_backoff_s, self.max_backoff_s = retry_backoff_s, max_backoff_s
-        self._channel = auth.insecure_channel(address, token, CLIENT_OPTIONS)
+        self._channel = auth.channel(address, credentials, CLIENT_OPTIONS)
         self._stub = rewarder_pb2_grpc.RewarderStub(self._channel)
 
     async def info(self, timeout: float = 10.0) -> rewarder_pb2.RewarderInfo:

@@ -144,15 +144,15 @@ def make_prompt(prompt_id: str, token_ids: Sequence[int]) -> sampler_pb2.Prompt:
 class RolloutClient:
     """Streams groups for a batch of prompts from every sampler replica, retrying failed calls elsewhere."""
 
-    def __init__(self, addresses: Sequence[str], cfg: RolloutConfig, token: str | None = None):
+    def __init__(self, addresses: Sequence[str], cfg: RolloutConfig, credentials: auth.Credentials | None = None):
         if not addresses:
             raise RolloutError("sampler.addresses is empty: give host:port entries or dns:///name:port")
-        self.addresses, self.cfg, self._token = list(addresses), cfg, token
+        self.addresses, self.cfg, self._credentials = list(addresses), cfg, credentials
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def _stub(self, address: str) -> sampler_pb2_grpc.SamplerStub:
         if address not in self._channels:
-            self._channels[address] = auth.insecure_channel(address, self._token, CLIENT_OPTIONS)
+            self._channels[address] = auth.channel(address, self._credentials, CLIENT_OPTIONS)
         return sampler_pb2_grpc.SamplerStub(self._channels[address])
 
     async def replicas(self) -> list[str]:

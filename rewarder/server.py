@@ -13,7 +13,7 @@ import signal
 import grpc
 
 from dgrpo.common import grpc_server
-from dgrpo.common.auth import AuthConfig, server_interceptors
+from dgrpo.common.auth import AuthConfig, Credentials, server_interceptors
 from dgrpo.common.logs import printable, setup_logging
 from dgrpo.rewarder import convert, metrics
 from dgrpo.rewarder.config import RewarderConfig
@@ -65,14 +65,18 @@ class RewarderServicer(rewarder_pb2_grpc.RewarderServicer):
         )
 
 
-def create_server(config: RewarderConfig, token: str | None = None) -> tuple[grpc_server.GrpcServer, Scorer]:
+def create_server(config: RewarderConfig,
+                  credentials: Credentials | None = None) -> tuple[grpc_server.GrpcServer, Scorer]:
     """The bound server (health NOT_SERVING from `start()` until `serve` has loaded the spec) and its scorer. With
-    a `token`, every call but health and reflection must carry it (`common/auth.py`)."""
+    a token in `credentials`, every call but health and reflection must carry it; with TLS, it listens with TLS
+    (`common/auth.py`)."""
+    creds = credentials or Credentials()
     scorer = Scorer(config)
     server = grpc_server.create_server(
         RewarderServicer(scorer), rewarder_pb2_grpc.add_RewarderServicer_to_server, SERVICE_NAME,
         host=config.host, port=config.port, config_key="rewarder.port",
-        interceptors=server_interceptors(token, host=config.host, config_key="rewarder.host"),
+        interceptors=server_interceptors(creds.token, host=config.host, config_key="rewarder.host"),
+        credentials=creds.server_credentials(),
     )
     return server, scorer
 
@@ -85,8 +89,8 @@ async def _reload_on_sighup(scorer: Scorer) -> None:
         log.error("SIGHUP reload rejected, the active spec stays: %s", e)
 
 
-async def serve(config: RewarderConfig, token: str | None = None) -> int:
-    server, scorer = create_server(config, token)
+async def serve(config: RewarderConfig, credentials: Credentials | None = None) -> int:
+    server, scorer = create_server(config, credentials)
     await server.start()
     log.info("rewarder listening on %s:%d, loading the reward spec into %d workers", config.host, server.port,
              config.workers)
@@ -112,7 +116,7 @@ async def serve(config: RewarderConfig, token: str | None = None) -> int:
 
 
 def main(config: RewarderConfig, auth: AuthConfig | None = None) -> int:
-    """`dgrpo rewarder`: serve the `rewarder` section until SIGTERM (with `auth`'s token, if one is set)."""
+    """`dgrpo rewarder`: serve the `rewarder` section until SIGTERM (with `auth`'s token and TLS, if set)."""
     setup_logging("rewarder")
-    token = (auth or AuthConfig()).token()
-    return asyncio.run(serve(config, token))
+    credentials = (auth or AuthConfig()).credentials()
+    return asyncio.run(serve(config, credentials))

@@ -15,7 +15,7 @@ import socket
 from typing import TYPE_CHECKING
 
 from dgrpo.common import devices, grpc_server
-from dgrpo.common.auth import AuthConfig, server_interceptors
+from dgrpo.common.auth import AuthConfig, Credentials, server_interceptors
 from dgrpo.common.logs import setup_logging
 from dgrpo.common.model_config import ModelConfig
 from dgrpo.sampler.config import SamplerConfig
@@ -43,22 +43,27 @@ async def _watch(engine, metrics, subscriber, period_s: float = 1.0) -> None:
         await asyncio.sleep(period_s)
 
 
-def create_server(config: SamplerConfig, token: str | None = None) -> tuple[grpc_server.GrpcServer, SamplerServicer]:
+def create_server(config: SamplerConfig,
+                  credentials: Credentials | None = None) -> tuple[grpc_server.GrpcServer, SamplerServicer]:
     """The bound server and its servicer; the engine is attached to the servicer once it is built (handlers must
-    be registered before the server starts, and health answers NOT_SERVING meanwhile). With a `token`, every call
-    but health and reflection must carry it (`common/auth.py`)."""
+    be registered before the server starts, and health answers NOT_SERVING meanwhile). With a token in
+    `credentials`, every call but health and reflection must carry it; with TLS, it listens with TLS
+    (`common/auth.py`)."""
+    creds = credentials or Credentials()
     from dgrpo.sampler.servicer import SamplerServicer
     from dgrpo.v1 import sampler_pb2_grpc
 
     servicer = SamplerServicer()
     server = grpc_server.create_server(servicer, sampler_pb2_grpc.add_SamplerServicer_to_server, SERVICE_NAME,
                                        host=config.host, port=config.port, config_key="sampler.port",
-                                       interceptors=server_interceptors(token, host=config.host,
-                                                                        config_key="sampler.host"))
+                                       interceptors=server_interceptors(creds.token, host=config.host,
+                                                                        config_key="sampler.host"),
+                                       credentials=creds.server_credentials())
     return server, servicer
 
 
-async def serve(model: ModelConfig, sampler: SamplerConfig, weights: WeightSyncConfig, token: str | None = None) -> int:
+async def serve(model: ModelConfig, sampler: SamplerConfig, weights: WeightSyncConfig,
+                credentials: Credentials | None = None) -> int:
     """Run one replica until SIGTERM/SIGINT."""
     from dgrpo.common.models import resolve_model_path
     from dgrpo.sampler.engine import SamplerEngine
@@ -67,7 +72,8 @@ async def serve(model: ModelConfig, sampler: SamplerConfig, weights: WeightSyncC
     device = devices.detect_device(model.device)
     model_path = str(resolve_model_path(model.path))
 
-    server, servicer = create_server(sampler, token)
+    token = (credentials or Credentials()).token
+    server, servicer = create_server(sampler, credentials)
     await server.start()  # health answers NOT_SERVING while the engine loads
     port = server.port
     replica_id = sampler.replica_id or f"{socket.gethostname()}:{port}"
@@ -84,7 +90,7 @@ async def serve(model: ModelConfig, sampler: SamplerConfig, weights: WeightSyncC
 
         target = EngineWeightTarget(engine, weights.pause_mode)
         await target.start()
-        # The gRPC token also keys the weight channel: only the run's learner is followed.
+        # The gRPC token also keys the weight channel (TLS does not apply to it): only the run's learner is followed.
         subscriber = WeightSubscriber(weights, target, checkpoint_shapes(model_path),
                                       token=token.encode() if token else None)
         await subscriber.start()  # a late replica catches up on the latest version before it serves
@@ -119,7 +125,7 @@ async def serve(model: ModelConfig, sampler: SamplerConfig, weights: WeightSyncC
 def main(model: ModelConfig, sampler: SamplerConfig, weights: WeightSyncConfig, auth: AuthConfig | None = None) -> int:
     """`dgrpo sampler`: the device environment first (vLLM reads it at import), then serve."""
     setup_logging("sampler")
-    token = (auth or AuthConfig()).token()  # an unreadable token file fails before the engine loads
+    credentials = (auth or AuthConfig()).credentials()  # an unreadable token or TLS file fails before the engine loads
     device = devices.detect_device(model.device)
     env = devices.sampler_env(device)
     if device == "cpu" and sampler.kv_cache_space_gib is not None:
@@ -127,4 +133,4 @@ def main(model: ModelConfig, sampler: SamplerConfig, weights: WeightSyncConfig, 
     if device == "cpu":
         env.update(devices.cpu_thread_binding(sampler.cpu_cores))
     os.environ.update(env)  # before vLLM is imported
-    return asyncio.run(serve(model, sampler, weights, token))
+    return asyncio.run(serve(model, sampler, weights, credentials))

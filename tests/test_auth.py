@@ -17,7 +17,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from dgrpo.cli.main import main as dgrpo_main
 from dgrpo.cli.stack import StackConfig
 from dgrpo.common import auth
-from dgrpo.common.auth import TOKEN_ENV, AuthConfig
+from dgrpo.common.auth import TOKEN_ENV, AuthConfig, Credentials
 from dgrpo.common.config import ConfigError, load_config
 from dgrpo.learner.control import LoopState, start_control_server
 from dgrpo.learner.reward_client import RewardClient, RewardError, score_group
@@ -38,7 +38,7 @@ def _no_token_in_env(monkeypatch):
 
 def _status(port: int, token: str | None, metadata=None):
     async def call():
-        async with auth.insecure_channel(f"127.0.0.1:{port}", token) as channel:
+        async with auth.channel(f"127.0.0.1:{port}", Credentials(token)) as channel:
             return await learner_pb2_grpc.LearnerStub(channel).Status(learner_pb2.StatusRequest(), timeout=5,
                                                                       metadata=metadata)
     return call()
@@ -53,7 +53,7 @@ async def _error(awaitable) -> grpc.aio.AioRpcError:
 def test_control_service_requires_the_token_and_health_and_reflection_stay_open():
     async def scenario():
         state = LoopState(step=7)
-        server = await start_control_server(state, "127.0.0.1", 0, token=TOKEN)
+        server = await start_control_server(state, "127.0.0.1", 0, credentials=Credentials(TOKEN))
         try:
             port = server.port
             missing = await _error(_status(port, None))
@@ -65,7 +65,7 @@ def test_control_service_requires_the_token_and_health_and_reflection_stay_open(
                 stop = await _error(stub.Stop(learner_pb2.StopRequest(reason="takeover"), timeout=5))
                 health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
             services = await asyncio.to_thread(_reflected, port)
-            async with auth.insecure_channel(f"127.0.0.1:{port}", TOKEN) as channel:
+            async with auth.channel(f"127.0.0.1:{port}", Credentials(TOKEN)) as channel:
                 stopped = await learner_pb2_grpc.LearnerStub(channel).Stop(learner_pb2.StopRequest(reason="ok"),
                                                                            timeout=5)
         finally:
@@ -106,19 +106,19 @@ def test_sampler_server_guards_streams_and_the_rollout_client_sends_the_token():
     """Generate is a server stream: an unauthenticated one is refused before the servicer runs; an authenticated
     one reaches it (no engine attached: UNAVAILABLE, "still loading")."""
     async def generate(port, token):
-        async with auth.insecure_channel(f"127.0.0.1:{port}", token) as channel:
+        async with auth.channel(f"127.0.0.1:{port}", Credentials(token)) as channel:
             call = sampler_pb2_grpc.SamplerStub(channel).Generate(sampler_pb2.GenerateRequest(), timeout=5)
             return await _error(_drain(call))
 
     async def scenario():
-        server, _ = sampler_server.create_server(SamplerConfig(port=0), TOKEN)
+        server, _ = sampler_server.create_server(SamplerConfig(port=0), Credentials(TOKEN))
         await server.start()
         try:
             address = f"127.0.0.1:{server.port}"
             results = [await generate(server.port, None), await generate(server.port, WRONG),
                        await generate(server.port, TOKEN)]
             for token in (None, TOKEN):
-                client = RolloutClient([address], RolloutConfig(), token=token)
+                client = RolloutClient([address], RolloutConfig(), credentials=Credentials(token))
                 try:
                     results.append(await _error(client.info(address, timeout=5)))
                 finally:
@@ -149,7 +149,7 @@ def test_reward_client_against_a_rewarder_process_started_with_the_token(service
     group = score_group("q1", "1+2?", ["\\boxed{3}", "\\boxed{4}"], {"answer": "3"})
 
     async def scenario():
-        good = RewardClient(svc.address, timeout_s=30, token=TOKEN)
+        good = RewardClient(svc.address, timeout_s=30, credentials=Credentials(TOKEN))
         bad = RewardClient(svc.address, timeout_s=30)
         try:
             reward = await good.score(group)

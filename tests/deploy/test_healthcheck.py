@@ -44,3 +44,14 @@ def test_probe_follows_the_serving_status(free_port):
 
 def test_probe_usage_error():
     assert subprocess.run([sys.executable, str(PROBE)], capture_output=True, timeout=30, check=False).returncode == 2
+
+
+def test_probe_tls_flags_are_checked(free_port, tmp_path):
+    """TLS over a real server is tested in tests/test_tls.py; here the flags that cannot work are refused."""
+    port = free_port()
+    lone_cert = probe(port, "--ca-file", "ca.pem", "--cert-file", "client.pem")
+    assert lone_cert.returncode == 2 and "--cert-file and --key-file go together" in lone_cert.stderr
+    no_ca = probe(port, "--server-name", "rewarder")
+    assert no_ca.returncode == 2 and "need --ca-file" in no_ca.stderr
+    missing = probe(port, "--ca-file", str(tmp_path / "missing.pem"))
+    assert missing.returncode == 1 and "cannot read" in missing.stdout and "missing.pem" in missing.stdout
