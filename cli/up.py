@@ -112,8 +112,12 @@ class Stack:
         import grpc
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+        from dgrpo.cli.stack import StackConfig
+        from dgrpo.common import auth
+
+        tls = load_config(StackConfig, self.config_path).auth.tls.material()  # with auth.tls, health is TLS too
         deadline = time.monotonic() + timeout
-        with grpc.insecure_channel(f"127.0.0.1:{svc.port}") as channel:
+        with auth.health_channel(f"127.0.0.1:{svc.port}", auth.Credentials(tls=tls)) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             while time.monotonic() < deadline:
                 if svc.proc.poll() is not None:

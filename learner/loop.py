@@ -123,14 +123,14 @@ class Trainer:
     async def _start_clients(self) -> None:
         """gRPC clients live on the running event loop, so they are created inside it."""
         lc = self.lc
-        token = self.cfg.auth.token()  # the stack's shared token (none: no authentication)
-        self.rollout = RolloutClient(self.cfg.sampler_addresses, lc.rollout, token=token)
+        credentials = self.cfg.auth.credentials()  # the stack's token and TLS (none: plaintext, no authentication)
+        self.rollout = RolloutClient(self.cfg.sampler_addresses, lc.rollout, credentials=credentials)
         self.rewarder = RewardClient(lc.rollout.rewarder_address, timeout_s=lc.rollout.reward_timeout_s,
-                                     retry_backoff_s=lc.rollout.retry_backoff_s, token=token)
+                                     retry_backoff_s=lc.rollout.retry_backoff_s, credentials=credentials)
         self.control = None
         if lc.trainer.control_port is not None:
             self.control = await start_control_server(self.state, lc.trainer.control_host, lc.trainer.control_port,
-                                                      token=token)
+                                                      credentials=credentials)
 
     # ---- the loop ------------------------------------------------------------------------------------
 
