@@ -2,35 +2,54 @@
 
 from __future__ import annotations
 
-from google.protobuf import json_format
+import math
 
-from dgrpo.rewarder.scorer import GroupInput, ScoreResult
+from google.protobuf import struct_pb2
+
+from dgrpo.rewarder.scorer import GroupInput, RequestError, ScoreResult
 from dgrpo.rewarder.spec import FunctionInfo, SpecRef
 from dgrpo.v1 import rewarder_pb2 as pb
 
 _MAX_EXACT_INT = 2**53
 
 
-def _restore_ints(value):
-    """Struct numbers are doubles; integral ones become ints again so `answer == 3` and `str(answer)` behave as in
-    the dataset (a TRL function comparing to "3" must not see "3.0")."""
-    if isinstance(value, float) and value.is_integer() and abs(value) < _MAX_EXACT_INT:
-        return int(value)
-    if isinstance(value, list):
-        return [_restore_ints(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _restore_ints(v) for k, v in value.items()}
-    return value
+def _from_value(value: struct_pb2.Value, where: str):
+    """A Struct value as the dataset had it: integral numbers become ints again, so `answer == 3` and `str(answer)`
+    behave as in the dataset (a TRL function comparing to "3" must not see "3.0"). NaN, infinities and a value with
+    no kind set are refused (RequestError naming the column): no JSON dataset holds them, and reward functions
+    would compute nonsense from them."""
+    kind = value.WhichOneof("kind")
+    if kind == "number_value":
+        number = value.number_value
+        if not math.isfinite(number):
+            raise RequestError(f"{where}: {number} is not a finite number (extra columns hold JSON values)")
+        return int(number) if number.is_integer() and abs(number) < _MAX_EXACT_INT else number
+    if kind == "string_value":
+        return value.string_value
+    if kind == "bool_value":
+        return value.bool_value
+    if kind == "null_value":
+        return None
+    if kind == "struct_value":
+        return _from_struct(value.struct_value, where)
+    if kind == "list_value":
+        return [_from_value(v, f"{where}[{i}]") for i, v in enumerate(value.list_value.values)]
+    raise RequestError(f"{where}: a google.protobuf.Value with no kind set")
+
+
+def _from_struct(struct: struct_pb2.Struct, where: str) -> dict:
+    return {k: _from_value(v, f"{where}.{k}") for k, v in struct.fields.items()}
 
 
 def groups_from_proto(request: pb.ScoreRequest) -> list[GroupInput]:
+    """RequestError for an extra column no dataset could hold (NaN, infinity, an empty Value)."""
     groups = []
-    for g in request.groups:
+    for i, g in enumerate(request.groups):
         if g.WhichOneof("prompt") == "chat":
             prompt: str | list[dict] = [{"role": m.role, "content": m.content} for m in g.chat.messages]
         else:
             prompt = g.text
-        extra = _restore_ints(json_format.MessageToDict(g.extra)) if g.HasField("extra") else {}
+        extra = _from_struct(g.extra, f"groups[{i}].extra") if g.HasField("extra") else {}
         groups.append(GroupInput(g.prompt_id, prompt, list(g.completions), extra))
     return groups
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -22,6 +23,7 @@ from dgrpo.rewarder.spec import (
     SpecSnapshot,
     allowed_dirs,
     check_paths,
+    check_weights,
     parse_spec_text,
     read_spec_file,
     snapshot,
@@ -112,6 +114,7 @@ class Scorer:
         async with self._reload_lock:
             spec = parse_spec_text(spec_text) if spec_text else self.configured_spec()
             check_paths(spec, self.allowed_dirs)
+            check_weights(spec)
             snap = snapshot(spec)
             old = self._active
             if old is not None and old.snap.content_hash == snap.content_hash:
@@ -281,6 +284,9 @@ class Scorer:
                     elif v is not None:
                         breakdown[info.name] = v
                         reward += info.weight * v
+                if not math.isfinite(reward):  # finite weights and values can still overflow (1e308 + 1e308)
+                    reward = 0.0
+                    errors.append(f"the weighted sum of {breakdown} overflows")
                 if errors and policy == "fail_request":
                     raise ScoringFailed(f"prompt_id {g.prompt_id!r} completion {ci}: {errors[0]}")
                 ok = not errors or policy == "zero"

@@ -16,6 +16,7 @@ import hashlib
 import inspect
 import json
 import logging
+import math
 import sys
 import traceback
 import types
@@ -103,6 +104,8 @@ def parse_spec_text(text: str, origin: str = "reload request") -> RewardSpec:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise SpecError(f"{origin}: not valid YAML or JSON: {e}") from None
+    except RecursionError:  # PyYAML builds nested collections recursively: "[[[[..." exhausts the stack
+        raise SpecError(f"{origin}: nested too deeply to be a reward spec") from None
     return parse_spec(data, origin)
 
 
@@ -143,6 +146,15 @@ def check_paths(spec: RewardSpec, allowed: list[Path]) -> None:
                 f"reward function {function_name(f)!r}: functions[{i}].path {f.path!r} is outside the folders reward "
                 "files and models may be loaded from (rewarder.allowed_dirs)"
             )
+
+
+def check_weights(spec: RewardSpec) -> None:
+    """SpecError for a weight that is not a finite number: the reward is the weighted sum, and a NaN or infinite
+    weight would turn every reward the learner gets into NaN or infinity (YAML's `.nan` and `.inf` parse as floats)."""
+    for i, f in enumerate(spec.functions):
+        if not math.isfinite(f.weight):
+            raise SpecError(f"reward function {function_name(f)!r}: functions[{i}].weight={f.weight}: must be a "
+                            "finite number")
 
 
 def _model_identity(folder: Path) -> bytes:
