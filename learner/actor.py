@@ -36,7 +36,7 @@ from dgrpo.learner.distributed import (
 )
 from dgrpo.weights.gather import DEFAULT_BUCKET_BYTES, full_tensors
 
-TOKEN_MEANS = ("clip_frac_low", "clip_frac_high", "ratio", "kl", "entropy", "sampler_logp_diff")
+TOKEN_MEANS = ("clip_frac_low", "clip_frac_high", "clip_frac_dual", "ratio", "kl", "entropy", "sampler_logp_diff")
 """Per-token statistics of the step, reported as means over the loss tokens of all ranks (StepSums fields)."""
 
 
@@ -49,8 +49,9 @@ class StepSums:
     """
 
     clip_frac_low: float = 0.0
-    """This and the next five: the micro-batch's token mean x its loss tokens (TOKEN_MEANS)."""
+    """This and the next six: the micro-batch's token mean x its loss tokens (TOKEN_MEANS)."""
     clip_frac_high: float = 0.0
+    clip_frac_dual: float = 0.0
     ratio: float = 0.0
     kl: float = 0.0
     entropy: float = 0.0
@@ -317,6 +318,8 @@ class Actor:
         metrics = {f"actor/{name}": getattr(sums, name) / tokens for name in TOKEN_MEANS}
         if not self.cfg.compute_entropy:
             del metrics["actor/entropy"]
+        if self.algo.clip_ratio_c is None:
+            del metrics["actor/clip_frac_dual"]
         if any(s.sampler_logprobs is None for s in seqs):
             del metrics["actor/sampler_logp_diff"]
         updates = len(grad_norms)
@@ -391,8 +394,9 @@ class Actor:
         is_w = grpo.truncated_is_weights(old_logp, mb.sampler_logp, algo.tis_cap) if algo.tis_cap else None
         loss, stats = grpo.policy_loss(
             logp, old_logp, mb.advantages, mask, ref_logp=ref_logp, beta=algo.beta, clip_low=algo.clip_low,
-            clip_high=algo.clip_high, agg=algo.loss_agg, max_response_length=self.max_response_length,
-            is_weights=is_w,
+            clip_high=algo.clip_high, agg=algo.loss_agg,
+            max_response_length=algo.loss_scale_factor or self.max_response_length, is_weights=is_w,
+            clip_ratio_c=algo.clip_ratio_c, kl_cap=algo.kl_cap,
         )
         return loss, stats, mask
 

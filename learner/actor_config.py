@@ -7,13 +7,21 @@ it imports torch (`--help` and config errors answer in about a second), so this 
 
 from __future__ import annotations
 
+import typing
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from dgrpo.common.config import StrictConfig
 
-LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+# TRL's GRPOConfig.loss_type names accepted for loss_agg (docs/peers.md states what differs).
+TRL_LOSS_TYPES = {
+    "dapo": "token-mean",
+    "bnpo": "token-mean",
+    "grpo": "seq-mean-token-mean",
+    "dr_grpo": "seq-mean-token-sum-norm",
+}
 AdvantageScale = Literal["group", "batch", "none"]
 
 
@@ -33,10 +41,23 @@ class AlgorithmConfig(StrictConfig):
     clip_high: float = Field(default=0.2, ge=0)
     """PPO clip above: the ratio is clipped at 1 + clip_high. DAPO's clip-higher uses 0.28 (> clip_low) to
     keep exploring low-probability tokens."""
+    clip_ratio_c: float | None = Field(default=None, gt=1)
+    """Dual-clip PPO (Ye et al. 2020; verl's clip_ratio_c): for tokens with a negative advantage the loss is
+    bounded by -A * clip_ratio_c, so a ratio far above 1 cannot blow the loss up. Null: off (plain PPO clip, as
+    TRL). verl applies it by default with 3.0; `dgrpo import-config --from verl` writes that default."""
+    kl_cap: float | None = Field(default=None, gt=0)
+    """Cap of the per-token KL value (k3) before it enters the loss; a capped token passes no KL gradient.
+    verl's low_var_kl clamps at 10; null: no cap (TRL)."""
     loss_agg: LossAgg = "token-mean"
     """How token losses become one number (verl's loss_agg_mode). token-mean: sum over every completion token
     of the mini-batch / their count (DAPO); seq-mean-token-mean: mean per sequence, then over sequences
-    (original GRPO); seq-mean-token-sum-norm: sum per sequence / max_response_length, then mean (Dr. GRPO)."""
+    (original GRPO); seq-mean-token-sum: sum per sequence, then mean over sequences; seq-mean-token-sum-norm:
+    sum per sequence / loss_scale_factor, then mean (Dr. GRPO). TRL's loss_type names are accepted for the
+    matching mode: dapo and bnpo -> token-mean, grpo -> seq-mean-token-mean, dr_grpo -> seq-mean-token-sum-norm
+    (docs/peers.md)."""
+    loss_scale_factor: int | None = Field(default=None, ge=1)
+    """The constant seq-mean-token-sum-norm divides each sequence's sum by (verl's loss_scale_factor, TRL's
+    max_completion_length). Null: rollout.max_response_length."""
     old_logprobs: Literal["sampler", "recompute"] = "recompute"
     """The behaviour policy of the PPO ratio. recompute: the learner's own logprobs before the update (one
     extra no-grad forward when a step has more than one optimizer update; skipped when it has one, since the
@@ -49,6 +70,19 @@ class AlgorithmConfig(StrictConfig):
     mask_truncated: bool = False
     """Drop completions that hit max_tokens (finish_reason length) from the loss (DAPO's overlong filtering):
     a cut-off answer is neither right nor wrong."""
+
+    @field_validator("loss_agg", mode="before")
+    @classmethod
+    def _trl_loss_type(cls, value: object) -> object:
+        """TRL's loss_type names become the matching mode (shown resolved by show-config)."""
+        if isinstance(value, str) and value in TRL_LOSS_TYPES:
+            return TRL_LOSS_TYPES[value]
+        if isinstance(value, str) and value not in typing.get_args(LossAgg):
+            raise ValueError(
+                f"loss_agg {value!r} is not one of {', '.join(typing.get_args(LossAgg))} (verl's loss_agg_mode) "
+                f"or TRL's loss_type {', '.join(TRL_LOSS_TYPES)}"
+            )
+        return value
 
     @model_validator(mode="after")
     def _check(self) -> AlgorithmConfig:

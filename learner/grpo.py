@@ -11,12 +11,14 @@ and tests/learner/test_grpo_math.py checks it against hand-computed numbers.
 
 from __future__ import annotations
 
+import typing
 from typing import Literal
 
 import torch
 
 Scale = Literal["group", "batch", "none"]
-Agg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+Agg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+AGGS: tuple[str, ...] = typing.get_args(Agg)
 
 # exp() of a log-ratio beyond this overflows or dominates the batch; verl clamps the same way.
 _LOG_RATIO_CLAMP = 20.0
@@ -56,13 +58,16 @@ def zero_std_fraction(rewards: torch.Tensor, group_size: int) -> float:
     return (r == r[:, :1]).all(dim=1).float().mean().item()
 
 
-def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor, cap: float | None = None) -> torch.Tensor:
     """Per-token KL(policy || reference), k3 estimator (Schulman, "Approximating KL Divergence", 2020):
 
-    kl = exp(ref_logp - logp) - (ref_logp - logp) - 1    (>= 0, unbiased, low variance; as in GRPO)
+    kl = exp(ref_logp - logp) - (ref_logp - logp) - 1    (>= 0, unbiased, low variance; as in GRPO and TRL)
+    kl = min(kl, cap), when cap is given: verl's kl_penalty("low_var_kl") clamps the value to [-10, 10]; since
+         k3 >= 0 only the upper bound acts, and a capped token passes no gradient through its KL term.
     """
     d = (ref_logp - logp).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)  # [B, T]
-    return torch.exp(d) - d - 1
+    kl = torch.exp(d) - d - 1
+    return kl if cap is None else kl.clamp(max=cap)
 
 
 def mask_truncated(mask: torch.Tensor, truncated: torch.Tensor) -> torch.Tensor:
@@ -83,12 +88,19 @@ def truncated_is_weights(old_logp: torch.Tensor, sampler_logp: torch.Tensor, cap
 
 
 def aggregate(values: torch.Tensor, mask: torch.Tensor, agg: Agg = "token-mean", max_response_length: int | None = None):
-    """Token values [B, T] -> one scalar (verl's loss_agg_mode names).
+    """Token values [B, T] -> one scalar (verl's loss_agg_mode names; docs/peers.md maps TRL's loss_type onto them).
 
-    token-mean:               sum_{b,t} m*v / sum_{b,t} m                  (DAPO; every token weighs the same)
-    seq-mean-token-mean:      mean_b [ sum_t m*v / sum_t m ]               (original GRPO)
-    seq-mean-token-sum-norm:  mean_b [ sum_t m*v / max_response_length ]   (Dr. GRPO; no length bias)
-    Sequences with no unmasked token (e.g. all truncated) are left out of the seq means; all-masked input gives 0.
+    token-mean:               sum_{b,t} m*v / sum_{b,t} m                  (DAPO; TRL "dapo"; every token weighs
+                                                                            the same)
+    seq-mean-token-mean:      mean_b [ sum_t m*v / sum_t m ]               (original GRPO; TRL "grpo")
+    seq-mean-token-sum:       mean_b [ sum_t m*v ]                         (verl agg_loss; a sequence weighs its
+                                                                            length)
+    seq-mean-token-sum-norm:  mean_b [ sum_t m*v / max_response_length ]   (Dr. GRPO; TRL "dr_grpo": sum / (B * L);
+                                                                            verl agg_loss since verl-project/verl
+                                                                            #5417, L = loss_scale_factor)
+    `max_response_length` is the constant L (the caller passes algorithm.loss_scale_factor or the rollout's
+    max_response_length). Sequences with no unmasked token (e.g. all truncated) are left out of the seq means (TRL
+    and verl count them in B); all-masked input gives 0.
     """
     m = mask.to(values.dtype)
     if agg == "token-mean":
@@ -97,12 +109,14 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, agg: Agg = "token-mean",
     live = (per_seq_tokens > 0).to(values.dtype)  # [B]
     if agg == "seq-mean-token-mean":
         per_seq = (values * m).sum(dim=1) / per_seq_tokens.clamp(min=1)  # [B]
+    elif agg == "seq-mean-token-sum":
+        per_seq = (values * m).sum(dim=1)  # [B]
     elif agg == "seq-mean-token-sum-norm":
         if max_response_length is None:
             raise ValueError("agg 'seq-mean-token-sum-norm' needs max_response_length")
         per_seq = (values * m).sum(dim=1) / max_response_length  # [B]
     else:
-        raise ValueError(f"agg {agg!r} is not one of token-mean, seq-mean-token-mean, seq-mean-token-sum-norm")
+        raise ValueError(f"agg {agg!r} is not one of {', '.join(AGGS)}")
     return (per_seq * live).sum() / live.sum().clamp(min=1)
 
 
@@ -119,18 +133,26 @@ def policy_loss(
     agg: Agg = "token-mean",
     max_response_length: int | None = None,
     is_weights: torch.Tensor | None = None,
+    clip_ratio_c: float | None = None,
+    kl_cap: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO-clip surrogate with asymmetric clipping, plus the k3 KL to the reference. All [B, T] but A [B].
 
     ratio = exp(logp - old_logp)
     pg    = max(-A * ratio, -A * clamp(ratio, 1 - clip_low, 1 + clip_high))   (PPO, Schulman et al. 2017;
             clip_high > clip_low is DAPO's clip-higher, Yu et al. 2025)
-    pg   *= is_weights, when given (truncated IS of the sampler mismatch, `truncated_is_weights`)
-    loss  = aggregate(pg + beta * kl_k3(logp, ref_logp), mask, agg)          (GRPO; KL in the loss, not reward)
+    pg    = min(pg, -A * clip_ratio_c) where A < 0, when clip_ratio_c is given (dual-clip PPO, Ye et al. 2020,
+            arXiv:1912.09729; verl's compute_policy_loss_vanilla, clip_ratio_c = 3.0 there by default): a token
+            whose ratio exceeds c with a negative advantage no longer grows the loss without bound
+    pg   *= is_weights, when given (truncated IS of the sampler mismatch, `truncated_is_weights`; after the
+            dual-clip, as verl applies its rollout IS weights)
+    loss  = aggregate(pg + beta * kl_k3(logp, ref_logp, kl_cap), mask, agg)  (GRPO; KL in the loss, not reward)
 
     stats (detached scalars, token means over the mask): clip_frac_low (ratio < 1 - clip_low with A < 0: the
-    clip stops pushing the token further down), clip_frac_high (ratio > 1 + clip_high with A > 0), ratio,
-    kl (0 without a reference), pg_loss (pg alone, aggregated like the loss).
+    clip stops pushing the token further down), clip_frac_high (ratio > 1 + clip_high with A > 0; their sum is
+    verl's pg_clipfrac), clip_frac_dual (only with clip_ratio_c: A < 0 and the dual clip is what bounds the
+    loss, verl's pg_clipfrac_lower), ratio, kl (0 without a reference; capped like the loss), pg_loss (pg alone,
+    aggregated like the loss).
     """
     adv = advantages.to(logp.dtype).unsqueeze(1)  # [B, 1]
     log_ratio = (logp - old_logp).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)  # [B, T]
@@ -138,12 +160,19 @@ def policy_loss(
     unclipped = -adv * ratio  # [B, T]
     clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)  # [B, T]
     pg = torch.maximum(unclipped, clipped)  # [B, T]
+    dual = None
+    if clip_ratio_c is not None:
+        if clip_ratio_c <= 1.0:
+            raise ValueError(f"clip_ratio_c={clip_ratio_c} must be > 1 (the dual clip bounds ratios above 1)")
+        bound = -adv * clip_ratio_c  # [B, 1], > 0 where A < 0
+        dual = (adv < 0) & (pg > bound)  # [B, T]
+        pg = torch.where(adv < 0, torch.minimum(pg, bound), pg)
     if is_weights is not None:
         pg = pg * is_weights
     token_loss = pg
     kl = None
     if ref_logp is not None:
-        kl = kl_k3(logp, ref_logp)  # [B, T]
+        kl = kl_k3(logp, ref_logp, kl_cap)  # [B, T]
         if beta:
             token_loss = pg + beta * kl
     loss = aggregate(token_loss, mask, agg, max_response_length)
@@ -161,4 +190,6 @@ def policy_loss(
             "kl": token_mean(kl) if kl is not None else torch.zeros((), device=logp.device),
             "pg_loss": aggregate(pg, mask, agg, max_response_length).detach(),
         }
+        if dual is not None:
+            stats["clip_frac_dual"] = token_mean(dual)
     return loss, stats

@@ -75,6 +75,7 @@ MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
     [
         ("token-mean", (-1 - 1.2 - 0.5 + 1 + 1.5) / 5),  # -0.04
         ("seq-mean-token-mean", ((-2.7 / 3) + (2.5 / 2)) / 2),  # 0.175
+        ("seq-mean-token-sum", (-2.7 + 2.5) / 2),  # -0.1
         ("seq-mean-token-sum-norm", ((-2.7 / 4) + (2.5 / 4)) / 2),  # -0.025, max_response_length 4
     ],
 )
@@ -94,6 +95,26 @@ def test_clip_low_counted_and_clip_higher():
     close(loss, (-1 - 1.28 - 0.5 + 1 + 1.5 + 0.8) / 6)
     close(stats["clip_frac_low"], 1 / 6)
     close(stats["clip_frac_high"], 1 / 6)
+
+
+def test_dual_clip_bounds_negative_advantages_only():
+    # c = 1.4: seq 1 (A = -1) token 1 has r = 1.5 > c -> pg = min(1.5, 1.4) = 1.4; seq 0 (A = +1) is untouched
+    logp = LOGP.clone().requires_grad_(True)
+    loss, stats = grpo.policy_loss(logp, OLD, ADV, MASK, clip_ratio_c=1.4)
+    close(loss, (-1 - 1.2 - 0.5 + 1 + 1.4) / 5)  # -0.06
+    close(stats["clip_frac_dual"], 1 / 5)
+    loss.backward()
+    close(logp.grad, [[-0.2, 0.0, -0.1], [0.2, 0.0, 0.0]])  # the dual-clipped token is constant: no gradient
+    with pytest.raises(ValueError, match="clip_ratio_c"):
+        grpo.policy_loss(LOGP, OLD, ADV, MASK, clip_ratio_c=1.0)
+
+
+def test_kl_cap():
+    ref = LOGP + math.log(0.5)  # k3 = .193147 on every token, capped at .1
+    loss, stats = grpo.policy_loss(LOGP, OLD, ADV, MASK, ref_logp=ref, beta=0.1, kl_cap=0.1)
+    close(loss, -0.04 + 0.1 * 0.1)
+    close(stats["kl"], 0.1)
+    close(grpo.kl_k3(LOGP, ref, cap=1.0), torch.full((2, 3), 0.193147))  # below the cap: unchanged
 
 
 def test_gradient_is_zero_where_clipped_or_masked():
@@ -132,7 +153,7 @@ def test_mask_truncated_drops_whole_sequences():
 
 
 def test_all_masked_is_zero_not_nan():
-    for agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
+    for agg in grpo.AGGS:
         loss, stats = grpo.policy_loss(LOGP, OLD, ADV, torch.zeros(2, 3), agg=agg, max_response_length=3)
         assert loss.item() == 0.0 and not any(torch.isnan(v) for v in stats.values())
 
