@@ -81,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     sub.add_parser("up", help="run the whole stack locally (rewarder, samplers, learner); `dgrpo up --help`",
                    add_help=False)
+    sub.add_parser("import-config", help="a dgrpo config from a verl or TRL config; `dgrpo import-config --help`",
+                   add_help=False)
     for name, (purpose, sections, _) in COMMANDS.items():
         p = sub.add_parser(
             name,
@@ -100,6 +102,10 @@ def main(argv: list[str] | None = None) -> int:
         from dgrpo.cli.up import main as up_main
 
         return up_main(argv[1:])
+    if argv[:1] == ["import-config"]:  # reads a peer's file, not a stack config
+        from dgrpo.cli.import_config import main as import_main
+
+        return import_main(argv[1:])
     args = build_parser().parse_args(argv)
     from dgrpo.cli.stack import StackConfig
 
