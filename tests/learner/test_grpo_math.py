@@ -114,7 +114,7 @@ def test_kl_cap():
     loss, stats = grpo.policy_loss(LOGP, OLD, ADV, MASK, ref_logp=ref, beta=0.1, kl_cap=0.1)
     close(loss, -0.04 + 0.1 * 0.1)
     close(stats["kl"], 0.1)
-    close(grpo.kl_k3(LOGP, ref, cap=1.0), torch.full((2, 3), 0.193147))  # below the cap: unchanged
+    close(grpo.kl_k3(LOGP, ref, cap=1.0), [[0.193147] * 3] * 2)  # below the cap: unchanged
 
 
 def test_gradient_is_zero_where_clipped_or_masked():
