@@ -8,23 +8,28 @@ A checkpoint is a folder `<checkpoint.dir>/step_<N>/`:
   rng_<rank>.pt   python / numpy / torch (and device) RNG states of each rank          (contents: extra)
   meta.json       step, contents, world size; written last, so a folder without it is incomplete
 Full state dicts keyed by names (torch.distributed.checkpoint.state_dict) make a checkpoint independent of
-the number of ranks it was written with. It is written to step_<N>.tmp and renamed when complete; with
-several hosts, checkpoint.dir must be on a shared filesystem.
+the number of ranks it was written with. It is written to step_<N>.tmp and renamed when complete, so a crash or a
+full disk mid-write leaves the previous checkpoints intact (the partial folder is removed, and the error names
+learner.checkpoint.dir with the space needed); the export is swapped in the same way. With several hosts,
+checkpoint.dir must be on a shared filesystem.
 """
 
 from __future__ import annotations
 
 import copy
+import errno
 import json
 import random
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -34,6 +39,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from dgrpo.common.preflight import check_replaceable, checkpoint_bytes, disk_full, export_bytes, fmt_bytes
 from dgrpo.learner.actor import Actor
 from dgrpo.learner.actor_config import CheckpointConfig
 
@@ -79,38 +85,102 @@ def full_model_state(actor: Actor) -> dict[str, torch.Tensor]:
     return get_model_state_dict(actor.policy, options=_save_options(actor))
 
 
+class _Writes:
+    """Runs one rank's file writes, keeping the first failure instead of raising it at once: the rank must still
+    join the collectives that follow (state-dict gathers, barriers), or the other ranks would hang."""
+
+    def __init__(self) -> None:
+        self.error: BaseException | None = None
+
+    def __call__(self, write: Callable[[], Any]) -> None:
+        if self.error is None:
+            try:
+                write()
+            except (OSError, RuntimeError, SafetensorError) as e:  # torch.save wraps write errors in RuntimeError
+                # A copy without traceback or context: their frames would keep the half-written file open.
+                self.error = OSError(e.errno, e.strerror) if isinstance(e, OSError) else RuntimeError(str(e))
+
+    def first_failure(self, actor: Actor) -> BaseException | None:
+        """The first rank's failure, on every rank (collective: it also serves as a barrier)."""
+        if not actor.ctx.distributed:
+            return self.error
+        box: list[str | None] = [None] * actor.ctx.world_size
+        dist.all_gather_object(box, None if self.error is None else f"rank {actor.ctx.rank}: {self.error!r}")
+        mine = self.error
+        return mine if mine is not None else next((RuntimeError(e) for e in box if e), None)
+
+
+def _write_failed(err: BaseException, key: str, folder: Path, need: int, what: str) -> CheckpointError:
+    """A failed write as one line naming the key, rather than torch's "unexpected pos" traceback."""
+    where = f"{key}={str(folder)!r}"
+    if disk_full(err):
+        free = shutil.disk_usage(_existing(folder)).free
+        return CheckpointError(f"{where}: no space left writing {what} (needs ~{fmt_bytes(need)}, {fmt_bytes(free)} free after "
+                               "removing the partial write); earlier checkpoints are intact")
+    if isinstance(err, OSError) and err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return CheckpointError(f"{where}: not writable ({err.strerror}) writing {what}")
+    return CheckpointError(f"{where}: writing {what} failed: {err}")
+
+
+def _existing(path: Path) -> Path:
+    return next(p for p in [path, *path.parents] if p.exists())
+
+
+def _swap_in(tmp: Path, final: Path) -> None:
+    """Put the complete `tmp` folder at `final`; an older `final` is moved aside first and removed only after."""
+    old = final.with_name(final.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        final.rename(old)
+    tmp.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _param_count(actor: Actor) -> int:
+    return sum(p.numel() for p in actor.policy.parameters())  # global sizes, also for FSDP2 DTensors
+
+
 def save_checkpoint(
     actor: Actor, cfg: CheckpointConfig, step: int, extra: dict[str, Any] | None = None
 ) -> Path:
-    """Write `<cfg.dir>/step_<step>` with cfg.contents; every rank calls it. Returns the folder."""
+    """Write `<cfg.dir>/step_<step>` with cfg.contents; every rank calls it. Returns the folder.
+
+    Raises CheckpointError naming learner.checkpoint.dir on a full or unwritable disk, on every rank, after removing
+    the partial folder; the earlier checkpoints are untouched."""
     root = Path(cfg.dir)
     final, tmp = root / f"step_{step}", root / f"step_{step}.tmp"
     ctx = actor.ctx
+    writes = _Writes()
     if ctx.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    _barrier(actor)
-    if "model" in cfg.contents:
-        model_sd = full_model_state(actor)
+        writes(lambda: tmp.mkdir(parents=True))
+    if writes.first_failure(actor) is None:
+        if "model" in cfg.contents:
+            model_sd = full_model_state(actor)
+            if ctx.is_main:
+                writes(lambda: torch.save(model_sd, tmp / "model.pt"))
+            del model_sd
+        if "optimizer" in cfg.contents:
+            optim_sd = get_optimizer_state_dict(actor.policy, actor.optimizer, options=_save_options(actor))
+            if ctx.is_main:
+                writes(lambda: torch.save(optim_sd, tmp / "optimizer.pt"))
+                writes(lambda: torch.save(actor.scheduler.state_dict(), tmp / "scheduler.pt"))
+            del optim_sd
+        if "extra" in cfg.contents:
+            writes(lambda: torch.save(_rng_state(ctx.device), tmp / f"rng_{ctx.rank}.pt"))
+            if ctx.is_main:
+                writes(lambda: torch.save({"step": actor.step, "extra": extra or {}}, tmp / "extra.pt"))
         if ctx.is_main:
-            torch.save(model_sd, tmp / "model.pt")
-        del model_sd
-    if "optimizer" in cfg.contents:
-        optim_sd = get_optimizer_state_dict(actor.policy, actor.optimizer, options=_save_options(actor))
+            meta = {"step": step, "contents": list(cfg.contents), "world_size": ctx.world_size}
+            writes(lambda: (tmp / "meta.json").write_text(json.dumps(meta, indent=1)))
+    failure = writes.first_failure(actor)
+    if failure is not None:
         if ctx.is_main:
-            torch.save(optim_sd, tmp / "optimizer.pt")
-            torch.save(actor.scheduler.state_dict(), tmp / "scheduler.pt")
-        del optim_sd
-    if "extra" in cfg.contents:
-        torch.save(_rng_state(ctx.device), tmp / f"rng_{ctx.rank}.pt")
-        if ctx.is_main:
-            torch.save({"step": actor.step, "extra": extra or {}}, tmp / "extra.pt")
-    _barrier(actor)
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise _write_failed(failure, "learner.checkpoint.dir", root, checkpoint_bytes(_param_count(actor),
+                                                                                      cfg.contents), final.name)
     if ctx.is_main:
-        meta = {"step": step, "contents": list(cfg.contents), "world_size": ctx.world_size}
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)
+        _swap_in(tmp, final)
         if cfg.keep_last is not None:
             for old in list_checkpoints(root)[: -cfg.keep_last]:
                 shutil.rmtree(old, ignore_errors=True)
@@ -191,20 +261,34 @@ def export_hf(actor: Actor, out_dir: str | Path, dtype: str = "bfloat16") -> Pat
     from transformers import AutoTokenizer
 
     out = Path(out_dir)
+    tmp = out.with_name(out.name + ".tmp")
+    check_replaceable("learner.checkpoint.export_dir", out, "config.json")  # it is replaced whole
     sd = full_model_state(actor)
-    if actor.ctx.is_main:
+    writes = _Writes()
+
+    def write() -> None:
         torch_dtype = getattr(torch, dtype)
         config = copy.deepcopy(actor.policy.config)
         tied = getattr(actor.policy, "all_tied_weights_keys", None) or {}
-        if getattr(config, "tie_word_embeddings", False):
-            sd = {k: v for k, v in sd.items() if k not in tied}  # written once, under the source's name
-        out.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.to(torch_dtype).contiguous() for k, v in sd.items()}, out / "model.safetensors",
+        state = {k: v for k, v in sd.items() if k not in tied} if getattr(config, "tie_word_embeddings", False) \
+            else sd  # tied weights are written once, under the source's name
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        save_file({k: v.to(torch_dtype).contiguous() for k, v in state.items()}, tmp / "model.safetensors",
                   metadata={"format": "pt"})
         config.dtype = torch_dtype
-        config.save_pretrained(out)
+        config.save_pretrained(tmp)
         if actor.policy.generation_config is not None:
-            actor.policy.generation_config.save_pretrained(out)
-        AutoTokenizer.from_pretrained(actor.model_path).save_pretrained(out)
-    _barrier(actor)
+            actor.policy.generation_config.save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(actor.model_path).save_pretrained(tmp)
+        _swap_in(tmp, out)  # a previous export stays whole until this one is
+
+    if actor.ctx.is_main:
+        writes(write)
+    failure = writes.first_failure(actor)
+    if failure is not None:
+        if actor.ctx.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise _write_failed(failure, "learner.checkpoint.export_dir", out, export_bytes(_param_count(actor), dtype),
+                            "the export")
     return out

@@ -76,10 +76,15 @@ class LoadStats:
     truncated_overlong: int = 0
 
 
-def check_files(cfg: DataConfig, prefix: str = "learner.data") -> None:
-    """Fail at start, naming the key, when a data file is missing or of an unknown format."""
+def check_files(cfg: DataConfig, prefix: str = "learner.data", columns: dict[str, str] | None = None) -> None:
+    """Fail at start, naming the key, when a data file is missing, unreadable, empty, of an unknown format, or lacks
+    the prompt column or one of `columns` (column -> the key that asks for it, e.g. a reward function's `field`).
+
+    Reads only each file's schema or first row: a typo costs a second, not the load of a large file.
+    """
     if not cfg.train_files:
         raise ConfigError(f"{prefix}.train_files is empty: give at least one .parquet or .jsonl file")
+    needed = {cfg.prompt_key: f"{prefix}.prompt_key", **(columns or {})}
     for key in ("train_files", "val_files"):
         files = getattr(cfg, key)
         formats = set()
@@ -90,8 +95,60 @@ def check_files(cfg: DataConfig, prefix: str = "learner.data") -> None:
             if not path.is_file():
                 raise ConfigError(f"{prefix}.{key}[{i}]={name!r}: no such file")
             formats.add(FORMATS[path.suffix])
+            try:
+                found = first_row_columns(path)
+            except (OSError, ValueError, TypeError) as e:
+                raise ConfigError(f"{prefix}.{key}[{i}]={name!r}: cannot be read: {e}") from None
+            missing = [(col, asker) for col, asker in needed.items() if col not in found]
+            if missing:
+                col, asker = missing[0]
+                raise ConfigError(f"{prefix}.{key}[{i}]={name!r} has no column {col!r} ({asker}={col!r} names it); "
+                                  f"its columns: {found}")
         if len(formats) > 1:
             raise ConfigError(f"{prefix}.{key}={files!r}: mixes parquet and json files; use one format per list")
+
+
+def first_row_columns(path: Path) -> list[str]:
+    """The columns of a data file, from the parquet schema or the first JSON row; ValueError when it has no rows or
+    is not of its format, TypeError when its rows are not objects."""
+    if path.suffix == ".parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        try:
+            meta = pq.ParquetFile(path)
+        except pa.ArrowException as e:
+            raise ValueError(f"not a parquet file ({e})") from None
+        if meta.metadata.num_rows == 0:
+            raise ValueError("no rows")
+        return list(meta.schema_arrow.names)
+    with open(path, encoding="utf-8") as f:
+        line = f.readline()
+        while line and not line.strip():
+            line = f.readline()
+        if not line:
+            raise ValueError("no rows")
+        if not line.lstrip().startswith("["):  # JSON lines
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"the first row is not JSON ({e})") from None
+        else:  # one JSON array: decode its first element only, reading on as far as it reaches
+            text = line.lstrip()[1:]
+            while True:
+                if text.lstrip().startswith("]"):
+                    raise ValueError("no rows")
+                try:
+                    row, _ = json.JSONDecoder().raw_decode(text.lstrip())
+                    break
+                except json.JSONDecodeError as e:
+                    more = f.read(1 << 20)
+                    if not more:
+                        raise ValueError(f"not valid JSON ({e})") from None
+                    text += more
+    if not isinstance(row, dict):
+        raise TypeError(f"rows must be JSON objects, the first is {type(row).__name__}")
+    return list(row)
 
 
 def _non_json(value: Any) -> str | None:

@@ -5,14 +5,17 @@ weight_sync, ...) and the slowest one is named on the console and in the logs. R
 so its phase is only the tail the loop waits for after the last group arrived; `reward/busy_s` (summed call time)
 tells how much scoring ran hidden under generation.
 
-Sinks: console (one progress line per step), JSONL (every metric, one object per line, appended so a resumed run
-continues the file), TensorBoard event files, and Weights & Biases when installed and chosen.
+Sinks: console (one progress line per step), JSONL (every metric, one object per line), TensorBoard event files,
+and Weights & Biases when installed and chosen. A run resumed at step s continues the file and the event files as
+one clean run: the crashed run's records after step s are dropped first, since those steps run again (TensorBoard
+hides them through its purge_step); a run starting at step 0 starts both afresh.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -78,18 +81,53 @@ def console_line(step: int, total: int, metrics: dict[str, float], bottleneck: s
     return " | ".join(parts)
 
 
-class MetricsLogger:
-    """Writes each step's metrics to the chosen sinks."""
+def keep_records_through(path: Path, step: int) -> int:
+    """Rewrite the JSONL file at `path` to its records of steps <= `step` (none for step 0), atomically; a partial
+    last line (a crash mid-write) goes too. Returns how many lines were dropped."""
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    with open(path, "rb") as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+                keep = line.endswith(b"\n") and step > 0 and record["step"] <= step
+            except (ValueError, KeyError, TypeError):
+                keep = False
+            if keep:
+                kept.append(line)
+            elif line.strip():
+                dropped += 1
+    if dropped:
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "wb") as f:
+            f.writelines(kept)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)  # a crash now leaves the old file or the new one, never half of one
+    return dropped
 
-    def __init__(self, loggers: list[str], out_dir: Path, run_name: str, config: dict, wandb_project: str = "dgrpo"):
+
+class MetricsLogger:
+    """Writes each step's metrics to the chosen sinks; `start_step` is the step the run resumes from (0: fresh)."""
+
+    def __init__(self, loggers: list[str], out_dir: Path, run_name: str, config: dict, wandb_project: str = "dgrpo",
+                 start_step: int = 0):
         self.loggers, self.out_dir = set(loggers), out_dir
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        self._jsonl = open(self.out_dir / "metrics.jsonl", "a") if "jsonl" in self.loggers else None  # noqa: SIM115
+        self._jsonl = None
+        if "jsonl" in self.loggers:
+            path = self.out_dir / "metrics.jsonl"
+            dropped = keep_records_through(path, start_step)
+            if dropped:
+                log.info("%s: dropped %d records after step %d (those steps run again)", path, dropped, start_step)
+            self._jsonl = open(path, "a")  # noqa: SIM115
         self._tb = None
         if "tensorboard" in self.loggers:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(str(self.out_dir / "tensorboard"))
+            # Events of steps >= purge_step in earlier event files are hidden: the re-run steps show once.
+            self._tb = SummaryWriter(str(self.out_dir / "tensorboard"), purge_step=start_step + 1 if start_step else 0)
         self._wandb = None
         if "wandb" in self.loggers:
             try:

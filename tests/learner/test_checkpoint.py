@@ -117,3 +117,71 @@ def test_checkpoint_of_another_model_is_refused_by_name(tiny_model, tmp_path):
     path = save_checkpoint(other, cfg, step=1, extra={})
     with pytest.raises(CheckpointError, match=r"another model: .*\[49152, 192\] there, \[49152, 128\] here"):
         load_checkpoint(make_actor(tiny_model), path)
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """`mount(size_bytes)` -> a real filesystem that small (tmpfs; needs root), unmounted afterwards."""
+    import subprocess
+
+    mounted = []
+
+    def mount(size: int):
+        mnt = tmp_path / f"fs{len(mounted)}"
+        mnt.mkdir()
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)],
+                          capture_output=True).returncode:
+            pytest.skip("cannot mount a tmpfs here (needs root)")
+        mounted.append(mnt)
+        return mnt
+
+    yield mount
+    for mnt in mounted:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_full_disk_mid_run_names_the_key_and_keeps_the_previous_checkpoint(tiny_model, tmp_path, tmpfs):
+    """A checkpoint that no longer fits: one CheckpointError naming learner.checkpoint.dir and the space needed (not
+    torch's "unexpected pos"), the partial folder removed, the previous checkpoint whole and loadable."""
+    actor = make_actor(tiny_model)
+    probe = save_checkpoint(actor, CheckpointConfig(dir=str(tmp_path / "probe"), contents=["model"]), step=1)
+    size = (probe / "model.pt").stat().st_size
+    cfg = CheckpointConfig(dir=str(tmpfs(int(size * 1.5)) / "ck"), contents=["model"], keep_last=1)
+    first = save_checkpoint(actor, cfg, step=1)
+    saved = (first / "model.pt").read_bytes()
+    actor.update(batch(1), group_size=4)
+    with pytest.raises(CheckpointError, match=r"learner.checkpoint.dir='.*/ck': no space left writing step_2 "
+                                              r"\(needs ~\d+ MB, \d+(\.\d)? MB free .*earlier checkpoints are intact"):
+        save_checkpoint(actor, cfg, step=2)
+    assert sorted(p.name for p in (first.parent).iterdir()) == ["step_1"]  # no step_2.tmp left taking the space
+    assert (first / "model.pt").read_bytes() == saved
+    load_checkpoint(make_actor(tiny_model), resume_path(cfg))
+
+
+def test_rewriting_a_step_and_the_export_swap_in_whole(tiny_model, tmp_path, tmpfs):
+    from dgrpo.common.config import ConfigError
+
+    actor = make_actor(tiny_model)
+    cfg = CheckpointConfig(dir=str(tmp_path / "ck"))
+    save_checkpoint(actor, cfg, step=1)
+    save_checkpoint(actor, cfg, step=1)  # the same step again (a stop right after a due checkpoint)
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step_1"]
+    out = export_hf(actor, tmp_path / "export")
+    export_hf(actor, out)  # replaces the previous export
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "export"]
+
+    size = sum(p.stat().st_size for p in out.iterdir())
+    small = tmpfs(int(size * 1.4)) / "export"
+    export_hf(actor, small)
+    before = {p.name: p.read_bytes() for p in small.iterdir()}
+    with pytest.raises(CheckpointError, match=r"learner.checkpoint.export_dir='.*/export': no space left writing the "
+                                              r"export \(needs ~\d+ MB"):
+        export_hf(actor, small)
+    assert {p.name: p.read_bytes() for p in small.iterdir()} == before  # the previous export is whole
+    assert sorted(p.name for p in small.parent.iterdir()) == ["export"]
+
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "keep.txt").write_text("mine")
+    with pytest.raises(ConfigError, match=r"learner.checkpoint.export_dir=.*notes.*not an earlier output"):
+        export_hf(actor, tmp_path / "notes")
+    assert (tmp_path / "notes" / "keep.txt").read_text() == "mine"

@@ -87,6 +87,41 @@ def test_check_files_names_the_key(tmp_path):
         check_files(DataConfig(train_files=[str(tmp_path / "a.csv")]))
 
 
+def test_check_files_reads_only_the_first_row_for_columns(tmp_path):
+    """Columns checked in every format from the schema or the first row; empty, unreadable or malformed files named."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"prompt": "q", "answer": "1"}] * 3
+    jsonl = write_jsonl(tmp_path / "a.jsonl", rows)
+    pretty = tmp_path / "a.json"
+    pretty.write_text(json.dumps(rows, indent=2))  # one JSON array, its first element over several lines
+    parquet = tmp_path / "a.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), parquet)
+    for name in (jsonl, str(pretty), str(parquet)):
+        check_files(DataConfig(train_files=[name]), columns={"answer": "rewarder.spec.functions[0].field"})
+        with pytest.raises(ConfigError, match=r"train_files\[0\]=.*has no column 'label' \(my.key='label' names it\); "
+                                              r"its columns: \['prompt', 'answer'\]"):
+            check_files(DataConfig(train_files=[name]), columns={"label": "my.key"})
+        with pytest.raises(ConfigError, match=r"no column 'question' \(learner.data.prompt_key='question'"):
+            check_files(DataConfig(train_files=[name], prompt_key="question"))
+    # The rest of a file is not read: a broken later row is the loader's to report (with its row number).
+    (tmp_path / "b.jsonl").write_text(json.dumps(rows[0]) + "\n{broken\n")
+    check_files(DataConfig(train_files=[str(tmp_path / "b.jsonl")]))
+
+    (tmp_path / "empty.jsonl").write_text("\n\n")
+    (tmp_path / "empty.json").write_text("[ ]")
+    pq.write_table(pa.Table.from_pylist([], schema=pa.schema([("prompt", pa.string())])), tmp_path / "empty.parquet")
+    (tmp_path / "scalar.jsonl").write_text("\"just text\"\n")
+    (tmp_path / "text.parquet").write_text("not parquet")
+    (tmp_path / "bad.jsonl").write_text("{prompt: q}\n")
+    for name, why in [("empty.jsonl", "no rows"), ("empty.json", "no rows"), ("empty.parquet", "no rows"),
+                      ("scalar.jsonl", "rows must be JSON objects, the first is str"),
+                      ("text.parquet", "not a parquet file"), ("bad.jsonl", "the first row is not JSON")]:
+        with pytest.raises(ConfigError, match=rf"learner.data.val_files\[0\]='.*{name}': cannot be read: {why}"):
+            check_files(DataConfig(train_files=[jsonl], val_files=[str(tmp_path / name)]))
+
+
 def _records(n):
     from dgrpo.learner.data import PromptRecord
 
