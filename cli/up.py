@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import re
 import signal
 import subprocess
@@ -32,6 +31,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from dgrpo.common.config import ConfigError, load_config, to_yaml
+from dgrpo.common.preflight import check_folder, pick_free_ports
 
 REPO_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 DEMO_CONFIG = REPO_CONFIGS / "cpu-demo.yaml"
@@ -53,26 +53,9 @@ class Service:
 
 
 def stable_free_port() -> int:
-    """A free port below the kernel's ephemeral range. The ports are chosen before the services start, and vLLM
-    and ZMQ take ephemeral ports (bind to port 0) for their own sockets meanwhile: a port from that range could be
-    taken by the time the learner binds it (seen as "Address already in use" for weights.announce_port)."""
-    import socket
-
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
-    for _ in range(200):
-        port = random.randrange(max(1024, low // 2), low)
-        with socket.socket() as s:
-            try:
-                s.bind(("0.0.0.0", port))
-            except OSError:
-                continue
-            return port
-    with socket.socket() as s:  # a crowded range: fall back to what the kernel gives
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the kernel's ephemeral range, never one this process handed out before (why below that
+    range: common/preflight.py pick_free_ports)."""
+    return pick_free_ports(1)[0]
 
 
 class Stack:
@@ -210,7 +193,9 @@ class Progress:
 
 
 def resolve_stack(args) -> tuple:
-    """Load the config (the CPU demo when no --config is given), write demo data if needed, pick ports."""
+    """Load the config (the CPU demo when no --config is given), write demo data if needed, pick ports, and run the
+    preflight (data, output folders, ports) before any service starts. Keys given on the command line are kept."""
+    from dgrpo.cli.preflight import assign_ports, covers, file_keys, given_keys, preflight_stack
     from dgrpo.cli.stack import StackConfig
 
     config_file = args.config
@@ -218,28 +203,34 @@ def resolve_stack(args) -> tuple:
         if not DEMO_CONFIG.is_file():
             raise ConfigError(f"no --config given and the demo config {DEMO_CONFIG} is missing")
         config_file = DEMO_CONFIG
+    given = given_keys(args.overrides)
     cfg = load_config(StackConfig, config_file, args.overrides)
     run_dir = Path(cfg.learner.trainer.log_dir) / cfg.learner.trainer.run_name
     extra: list[str] = []
     if args.config is None and not args.no_demo_data:
-        from dgrpo.cli.tasks import DEMO_TASK, write_task
+        demo_train, demo_val = (not covers(given, f"learner.data.{k}") for k in ("train_files", "val_files"))
+        if demo_train:
+            from dgrpo.cli.tasks import DEMO_TASK, write_task
 
-        train, val = write_task(run_dir / "data", DEMO_TASK)
-        extra += [f"learner.data.train_files=[{train}]", f"learner.data.val_files=[{val}]"]
-    sampler_ports = [stable_free_port() for _ in range(args.samplers)]
-    rewarder_port = stable_free_port()
-    extra += [
-        "sampler.host=127.0.0.1",
-        f"sampler.addresses=[{', '.join(f'127.0.0.1:{p}' for p in sampler_ports)}]",
-        "rewarder.host=127.0.0.1", f"rewarder.port={rewarder_port}",
-        f"learner.rollout.rewarder_address=127.0.0.1:{rewarder_port}",
-        f"learner.trainer.control_port={stable_free_port()}",
-        f"weights.announce_port={stable_free_port()}", f"weights.control_port={stable_free_port()}",
-    ]
-    cfg = load_config(StackConfig, config_file, [*args.overrides, *extra])
+            check_folder("learner.trainer.log_dir", run_dir)  # the demo data is written there
+            train, val = write_task(run_dir / "data", DEMO_TASK)
+            extra.append(f"learner.data.train_files=[{train}]")
+            if demo_val:
+                extra.append(f"learner.data.val_files=[{val}]")
+        elif demo_val:  # the demo's validation set does not go with the user's training data
+            extra.append("learner.data.val_files=[]")
+            print("dgrpo up: learner.data.train_files given without learner.data.val_files: no validation",
+                  flush=True)
+    ports = assign_ports(cfg, given, args.samplers)
+    replaced = [k for k in file_keys(args.config) if not covers(given, k)]
+    if replaced:
+        print(f"dgrpo up: local free ports replace the config file's {', '.join(replaced)} (set them on the command "
+              "line to keep them)", flush=True)
+    cfg = load_config(StackConfig, config_file, [*extra, *ports.overrides, *args.overrides])  # the user's win
     cfg.check_whole_stack()
+    preflight_stack(cfg, ports)
     cfg.auth.token()  # a bad token file fails here, once; the services read the same file (or inherit DGRPO_TOKEN)
-    return cfg, run_dir, sampler_ports, rewarder_port
+    return cfg, run_dir, ports.sampler_ports, ports.rewarder_port
 
 
 def run(args) -> int:

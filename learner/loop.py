@@ -114,7 +114,7 @@ class Trainer:
                                          token=token.encode() if token else None)
         self.out_dir = Path(lc.trainer.log_dir) / lc.trainer.run_name
         self.metrics = MetricsLogger(lc.trainer.loggers, self.out_dir, lc.trainer.run_name,
-                                     self.cfg.stack, lc.trainer.wandb_project)
+                                     self.cfg.stack, lc.trainer.wandb_project, start_step=self.step_num)
         (self.out_dir / "config.yaml").write_text(self.cfg.stack_yaml())
         log.info("%d training prompts (%d dropped, %d truncated as overlong), %d validation prompts; %d steps",
                  self.data_stats.kept, self.data_stats.dropped_overlong, self.data_stats.truncated_overlong,

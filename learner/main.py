@@ -1,4 +1,5 @@
-"""`dgrpo learner`: check the config and data files, then train (alone, or one rank under torchrun).
+"""`dgrpo learner`: preflight (data files and columns, writable output folders with room for a checkpoint, free
+ports), then train (alone, or one rank under torchrun).
 
 SIGTERM / SIGINT ask the loop to stop after the step in progress (a checkpoint is written); a second signal
 cancels at once.
@@ -10,18 +11,63 @@ import asyncio
 import os
 import signal
 import sys
+from pathlib import Path
 
+from dgrpo.common import preflight as pf
 from dgrpo.common.config import ConfigError
 from dgrpo.common.logs import setup_logging
 from dgrpo.learner.config import LearnerRunConfig
 from dgrpo.learner.data import check_files
 
 
+def output_needs(cfg: LearnerRunConfig) -> list[tuple[str, str, int, str]]:
+    """(key, folder, bytes, what) of everything the run writes: one checkpoint, the export, the metrics."""
+    lc = cfg.learner
+    params = pf.parameter_count(_model_dir(cfg.model.path))
+    ckpt = pf.checkpoint_bytes(params, lc.checkpoint.contents) if params else 0
+    what = f"one checkpoint of {params / 1e6:.0f}M parameters ({'+'.join(lc.checkpoint.contents)})" if params else ""
+    needs = [("learner.checkpoint.dir", lc.checkpoint.dir, ckpt, what),
+             ("learner.trainer.log_dir", str(Path(lc.trainer.log_dir) / lc.trainer.run_name), 0, "metrics")]
+    if lc.checkpoint.export_dir:
+        needs.append(("learner.checkpoint.export_dir", lc.checkpoint.export_dir,
+                      pf.export_bytes(params, cfg.model.dtype) if params else 0, f"the export in {cfg.model.dtype}"))
+    return needs
+
+
+def _model_dir(path: str | None) -> Path:
+    """The model folder, without preparing the bundled model (that is heavy; unprepared, the size is unknown)."""
+    if path:
+        return Path(path).expanduser()
+    from dgrpo.common.models import BUNDLED_NAME, cache_dir
+
+    return cache_dir() / "models" / BUNDLED_NAME
+
+
+def learner_bindings(cfg: LearnerRunConfig) -> list[pf.Binding]:
+    """The sockets the learner binds (rank 0): its control service and the weight publisher's two."""
+    t, w = cfg.learner.trainer, cfg.weights
+    out = [("weights.announce_port", w.bind_host, w.announce_port), ("weights.control_port", w.bind_host,
+                                                                    w.control_port)]
+    if t.control_port is not None:
+        out.insert(0, ("learner.trainer.control_port", t.control_host, t.control_port))
+    return out
+
+
+def preflight(cfg: LearnerRunConfig) -> None:
+    """Everything that can be checked before torch is imported, so a typo or a full disk fails in a second."""
+    check_files(cfg.learner.data)
+    pf.check_space(output_needs(cfg))
+    if cfg.learner.checkpoint.export_dir:
+        pf.check_replaceable("learner.checkpoint.export_dir", cfg.learner.checkpoint.export_dir, "config.json")
+    if os.environ.get("RANK", "0") == "0":  # under torchrun only rank 0 binds
+        pf.check_ports(learner_bindings(cfg))
+
+
 def main(cfg: LearnerRunConfig) -> int:
     """Run GRPO training; returns the exit code."""
     log = setup_logging("learner")
     try:
-        check_files(cfg.learner.data)  # before torch is imported: a typo in a path fails in a second
+        preflight(cfg)
     except ConfigError as e:
         print(f"dgrpo learner: {e}", file=sys.stderr)
         return 2
@@ -29,6 +75,7 @@ def main(cfg: LearnerRunConfig) -> int:
 
     for key, value in learner_env(detect_device(cfg.model.device)).items():
         os.environ.setdefault(key, value)
+    from dgrpo.learner.checkpoint import CheckpointError
     from dgrpo.learner.loop import Trainer
     from dgrpo.learner.reward_client import RewardError
     from dgrpo.learner.rollout import RolloutError
@@ -40,6 +87,9 @@ def main(cfg: LearnerRunConfig) -> int:
     except ConfigError as e:
         print(f"dgrpo learner: {e}", file=sys.stderr)
         return 2
+    except CheckpointError as e:  # a full disk mid-run: one line naming the key, the earlier checkpoints intact
+        print(f"dgrpo learner: stopped at step {trainer.step_num}: {e}", file=sys.stderr)
+        return 1
     except (RolloutError, RewardError) as e:
         log.error("training stopped at step %d: %s (resume from the last checkpoint once the services are back)",
                   trainer.step_num, e)
