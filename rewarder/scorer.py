@@ -22,6 +22,7 @@ from dgrpo.rewarder.spec import (
     SpecRef,
     SpecSnapshot,
     allowed_dirs,
+    bounded,
     check_paths,
     check_weights,
     parse_spec_text,
@@ -40,9 +41,15 @@ TRL_DROPPED_COLUMNS = ("prompt", "completion", "completion_ids")
 class RequestError(ValueError):
     """A malformed Score request (-> INVALID_ARGUMENT)."""
 
+    def __init__(self, message: str):
+        super().__init__(bounded(message))  # it quotes client text: keep it within a gRPC trailer
+
 
 class ScoringFailed(RuntimeError):
     """A reward function failed and on_error is fail_request (-> FAILED_PRECONDITION)."""
+
+    def __init__(self, message: str):
+        super().__init__(bounded(message))  # it quotes client text: keep it within a gRPC trailer
 
 
 class NotReady(RuntimeError):

@@ -337,6 +337,9 @@ class SamplerEngine:
             if p.id in ids_seen:
                 raise InvalidRequest(f"prompt id {p.id!r} appears twice in the batch")
             ids_seen.add(p.id)
+        if weight_wait_timeout_s is not None and not (math.isfinite(weight_wait_timeout_s) and weight_wait_timeout_s >= 0):
+            raise InvalidRequest(f"weight_wait_timeout_s={weight_wait_timeout_s}: must be a finite number of seconds "
+                                 ">= 0 (0: the sampler's weight_wait_timeout_s)")
         validate_sampling(sampling, self.vocab_size)
         params = self._vllm_params(sampling)
         token_ids = await self.tokenize_batch(prompts)

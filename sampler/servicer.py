@@ -14,6 +14,18 @@ from dgrpo.v1 import sampler_pb2_grpc
 
 log = logging.getLogger(__name__)
 
+MAX_DETAILS_BYTES = 2000
+"""Longest status message (UTF-8 bytes). gRPC sends it percent-encoded in a trailer, and a trailer over the client's
+metadata limit (8 KiB) turns the whole answer into RESOURCE_EXHAUSTED "Stream removed": a message quoting a 20 kB
+prompt id would hide why the request was refused."""
+
+
+def _details(e: Exception) -> str:
+    raw = str(e).encode()
+    if len(raw) <= MAX_DETAILS_BYTES:
+        return str(e)
+    return raw[:MAX_DETAILS_BYTES].decode(errors="ignore") + f"...[{len(raw) - MAX_DETAILS_BYTES} more bytes]"
+
 
 class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
     """Registered before the server starts (gRPC requires it); answers UNAVAILABLE until `attach`."""
@@ -38,13 +50,13 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
                 yield group_to_pb(group, self.replica_id)
         except InvalidRequest as e:
             outcome = "invalid"
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _details(e))
         except WeightVersionTimeout as e:
             outcome = "fenced"
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, _details(e))
         except EngineUnavailable as e:
             outcome = "unavailable"
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            await context.abort(grpc.StatusCode.UNAVAILABLE, _details(e))
         except BaseException:
             outcome = "cancelled_or_failed"
             raise
