@@ -185,3 +185,43 @@ def test_rewriting_a_step_and_the_export_swap_in_whole(tiny_model, tmp_path, tmp
     with pytest.raises(ConfigError, match=r"learner.checkpoint.export_dir=.*notes.*not an earlier output"):
         export_hf(actor, tmp_path / "notes")
     assert (tmp_path / "notes" / "keep.txt").read_text() == "mine"
+
+
+def test_resumed_trainer_keeps_one_metrics_record_per_step(tiny_model, tmp_path):
+    """The loop's own setup: resumed from step 2 of a run that logged through step 4 before it crashed, the run's
+    metrics.jsonl reads as one run (steps 1-2 kept, 3-4 dropped: they run again)."""
+    import asyncio
+
+    from support import free_port
+
+    from dgrpo.cli.stack import StackConfig
+    from dgrpo.common.config import load_config
+    from dgrpo.learner.loop import Trainer
+
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps({"prompt": f"{i}+1?"}) + "\n" for i in range(4)))
+    cfg = load_config(StackConfig, None, [
+        f"model.path={tiny_model}", "model.dtype=float32", f"learner.data.train_files=[{tmp_path / 'train.jsonl'}]",
+        "learner.data.train_batch_size=2", "learner.actor.ppo_mini_batch_size=2", "learner.actor.dtype=float32",
+        f"learner.checkpoint.dir={tmp_path / 'ck'}", f"learner.trainer.log_dir={tmp_path / 'runs'}",
+        "learner.trainer.loggers=[jsonl]", "learner.trainer.control_port=null",
+        f"weights.announce_port={free_port()}", f"weights.control_port={free_port()}",
+    ]).learner_run()
+    metrics = tmp_path / "runs" / "dgrpo" / "metrics.jsonl"
+
+    crashed = Trainer(cfg)
+    crashed.setup()
+    for step in range(1, 5):
+        crashed.step_num = crashed.actor.step = step
+        crashed.metrics.log(step, 8, {"reward/mean": 0.1 * step}, "generate")
+        if step == 2:
+            crashed.save_checkpoint()
+    asyncio.run(crashed.close())
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [1, 2, 3, 4]
+
+    resumed = Trainer(cfg)
+    resumed.setup()
+    assert resumed.step_num == 2
+    resumed.metrics.log(3, 8, {"reward/mean": 0.9}, "generate")
+    asyncio.run(resumed.close())
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [(r["step"], r["reward/mean"]) for r in records] == [(1, 0.1), (2, 0.2), (3, 0.9)]
