@@ -130,14 +130,18 @@ Binding = tuple[str, str, int]
 """(config key, host, port) of a socket a service will bind."""
 
 
-def _probe(host: str, port: int) -> socket.socket:
-    """Bind (host, port) as gRPC and ZMQ do (SO_REUSEADDR: a port in TIME_WAIT counts as free); the caller closes."""
+def _probe(host: str, port: int, *, hold: bool = False) -> socket.socket:
+    """Bind (host, port) as gRPC and ZMQ do (SO_REUSEADDR: a port in TIME_WAIT counts as free); the caller closes.
+    `hold`: bind strictly and listen, so nobody else can take the port while it is held."""
     host = "0.0.0.0" if host in ("*", "") else host
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     s = socket.socket(family, socket.SOCK_STREAM)
     try:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if not hold:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind((host.strip("[]"), port))
+        if hold:
+            s.listen()
     except BaseException:
         s.close()
         raise
@@ -168,6 +172,10 @@ def check_ports(bindings: list[Binding]) -> None:
             raise ConfigError(f"{key}={port}: cannot bind {host}:{port}: {e.strerror or e}") from None
 
 
+_HANDED_OUT: set[int] = set()
+"""Ports this process picked before: a second call never returns one again (its service may not have bound yet)."""
+
+
 def pick_free_ports(n: int, exclude: set[int] = frozenset(), host: str = "0.0.0.0") -> list[int]:
     """`n` distinct free ports, each held open until all are chosen, and never one in `exclude` or one handed out
     earlier in this process.
@@ -194,12 +202,12 @@ def pick_free_ports(n: int, exclude: set[int] = frozenset(), host: str = "0.0.0.
                 continue
             avoid.add(port)
             try:
-                held.append(_probe(host, port))
+                held.append(_probe(host, port, hold=True))
             except OSError:
                 continue
             chosen.append(port)
         while len(chosen) < n:  # a crowded range: fall back to what the kernel gives
-            s = _probe("127.0.0.1", 0)
+            s = _probe("127.0.0.1", 0, hold=True)
             held.append(s)
             if s.getsockname()[1] not in avoid:
                 chosen.append(s.getsockname()[1])
@@ -208,8 +216,3 @@ def pick_free_ports(n: int, exclude: set[int] = frozenset(), host: str = "0.0.0.
             s.close()
     _HANDED_OUT.update(chosen)
     return chosen
-
-
-_HANDED_OUT: set[int] = set()
-"""Ports this process picked before: a second call never returns one again (its service may not have bound yet)."""
-

@@ -109,16 +109,19 @@ def keep_records_through(path: Path, step: int) -> int:
 
 
 class MetricsLogger:
-    """Writes each step's metrics to the chosen sinks; `start_step` is the step the run resumes from (0: fresh)."""
+    """Writes each step's metrics to the chosen sinks.
+
+    `start_step`: the step the run starts from (the loop passes its resumed step, 0 when fresh); the earlier run's
+    records after it are dropped, since those steps run again. None appends to whatever is there."""
 
     def __init__(self, loggers: list[str], out_dir: Path, run_name: str, config: dict, wandb_project: str = "dgrpo",
-                 start_step: int = 0):
+                 start_step: int | None = None):
         self.loggers, self.out_dir = set(loggers), out_dir
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self._jsonl = None
         if "jsonl" in self.loggers:
             path = self.out_dir / "metrics.jsonl"
-            dropped = keep_records_through(path, start_step)
+            dropped = 0 if start_step is None else keep_records_through(path, start_step)
             if dropped:
                 log.info("%s: dropped %d records after step %d (those steps run again)", path, dropped, start_step)
             self._jsonl = open(path, "a")  # noqa: SIM115
@@ -127,7 +130,8 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             # Events of steps >= purge_step in earlier event files are hidden: the re-run steps show once.
-            self._tb = SummaryWriter(str(self.out_dir / "tensorboard"), purge_step=start_step + 1 if start_step else 0)
+            purge = None if start_step is None else start_step + 1 if start_step else 0
+            self._tb = SummaryWriter(str(self.out_dir / "tensorboard"), purge_step=purge)
         self._wandb = None
         if "wandb" in self.loggers:
             try:

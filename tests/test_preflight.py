@@ -49,7 +49,8 @@ def small_fs(tmp_path):
     """A real 2 MB filesystem (tmpfs; needs root), unmounted afterwards."""
     mnt = tmp_path / "small"
     mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True).returncode:
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], check=False,
+                      capture_output=True).returncode:
         pytest.skip("cannot mount a tmpfs here (needs root)")
     yield mnt
     subprocess.run(["umount", "-l", str(mnt)], check=False)
@@ -185,7 +186,7 @@ def test_up_fails_in_seconds_before_any_service_starts(tmp_path):
     (tmp_path / "stack.yaml").write_text(yaml.safe_dump(config))
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "dgrpo.cli", "up", "--config", str(tmp_path / "stack.yaml")],
-                          capture_output=True, text=True, timeout=60)
+                          check=False, capture_output=True, text=True, timeout=60)
     elapsed = time.monotonic() - t0
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "learner.data.train_files[0]=" in proc.stderr and "missing.parquet" in proc.stderr
@@ -266,3 +267,21 @@ def test_resumed_metrics_have_one_record_per_step(tmp_path):
     MetricsLogger(["jsonl"], tmp_path, "r", {}, start_step=0).close()  # a fresh start: a fresh file
     assert (tmp_path / "metrics.jsonl").read_text() == ""
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_resumed_tensorboard_shows_each_step_once(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    crashed = MetricsLogger(["tensorboard"], tmp_path, "r", {}, start_step=0)
+    for step in range(1, 6):
+        crashed.log(step, 5, {"reward/mean": float(step)})
+    crashed.close()
+    time.sleep(1.1)  # event files are named by the second they were opened
+    resumed = MetricsLogger(["tensorboard"], tmp_path, "r", {}, start_step=3)
+    for step in range(4, 7):
+        resumed.log(step, 6, {"reward/mean": 10.0 + step})
+    resumed.close()
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("reward/mean")] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 14.0),
+                                                                       (5, 15.0), (6, 16.0)]
