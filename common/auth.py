@@ -260,8 +260,9 @@ def _denied(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandl
     async def abort(_request_or_iterator, context: grpc.aio.ServicerContext):
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
-    codecs = {"request_deserializer": handler.request_deserializer,
-              "response_serializer": handler.response_serializer}
+    # No request deserializer: the body of a call without the token is never parsed (a garbage body would
+    # otherwise answer UNKNOWN from the parser before the token is checked).
+    codecs = {"request_deserializer": None, "response_serializer": handler.response_serializer}
     if handler.unary_unary:
         return grpc.unary_unary_rpc_method_handler(abort, **codecs)
     if handler.unary_stream:

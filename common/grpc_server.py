@@ -11,6 +11,7 @@ and nowhere else (both come from `common/auth.py`).
 from __future__ import annotations
 
 import asyncio
+import inspect
 import signal
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -75,6 +76,44 @@ class GrpcServer:
             await on_stop()
 
 
+class ParseInterceptor(grpc.aio.ServerInterceptor):
+    """Parses unary request bodies itself, so one that does not parse answers INVALID_ARGUMENT naming the message
+    type (grpc.aio's own parsing answers UNKNOWN, which clients retry as if transient). Innermost: the token check
+    runs before any byte is parsed."""
+
+    async def intercept_service(self, continuation, handler_call_details: grpc.HandlerCallDetails):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.request_deserializer is None or handler.request_streaming:
+            return handler
+        parse, codecs = handler.request_deserializer, {"response_serializer": handler.response_serializer}
+        if handler.unary_unary:
+            inner_unary = handler.unary_unary
+
+            async def unary(body: bytes, context: grpc.aio.ServicerContext):
+                return await inner_unary(await _parsed(parse, body, context), context)
+
+            return grpc.unary_unary_rpc_method_handler(unary, **codecs)
+        if handler.unary_stream and inspect.isasyncgenfunction(handler.unary_stream):
+            inner_stream = handler.unary_stream
+
+            async def stream(body: bytes, context: grpc.aio.ServicerContext):
+                async for item in inner_stream(await _parsed(parse, body, context), context):
+                    yield item
+
+            return grpc.unary_stream_rpc_method_handler(stream, **codecs)
+        return handler
+
+
+async def _parsed(parse: Callable[[bytes], Any], body: bytes, context: grpc.aio.ServicerContext) -> Any:
+    try:
+        return parse(body)
+    except Exception as e:  # noqa: BLE001 (protobuf's DecodeError, or anything a custom deserializer raises)
+        owner = getattr(getattr(parse, "__self__", None), "DESCRIPTOR", None)
+        name = getattr(owner, "full_name", "request")
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"the request body is not a valid {name} message ({type(e).__name__})")
+
+
 def create_server(
     servicer: Any,
     add_servicer: Callable[[Any, grpc.aio.Server], None],
@@ -90,7 +129,7 @@ def create_server(
     bound to host:port, with TLS when `credentials` are given (`auth.Credentials.server_credentials()`; health and
     reflection then answer over TLS too). `config_key` names the setting of the port in a BindError. Not started:
     call `start()`."""
-    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=list(interceptors))
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[*interceptors, ParseInterceptor()])
     add_servicer(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

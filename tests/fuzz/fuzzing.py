@@ -31,10 +31,8 @@ CLEAN = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.F
 exception nobody handled), never a dead or hung server, and never RESOURCE_EXHAUSTED (no body here nears the 256 MiB
 limit: it is what a client sees when a refusal's message outgrows its metadata limit, hiding the reason)."""
 
-UNDECODABLE = "Unexpected <class 'google.protobuf.message.DecodeError'>"
-"""grpc.aio's answer (UNKNOWN) when the registered deserializer cannot parse the request bytes. The deserializers
-are registered in common/grpc_server.py (not ours to edit): reported, pinned by test_undecodable_*_xfail, and
-accepted here only for bytes that really do not parse."""
+UNDECODABLE = "the request body is not a valid "
+"""The start of the INVALID_ARGUMENT that common/grpc_server.py answers for bytes that do not parse."""
 
 
 # ---- strategies over proto descriptors -------------------------------------------------------------------------
@@ -212,10 +210,12 @@ def call_raw(channel: grpc.Channel, method: str, body: bytes, *, stream: bool = 
 
 
 def assert_clean(outcome: Outcome, cls: type[Message], body: bytes) -> None:
-    """A deliberate status, or the undecodable-bytes answer for bytes that really do not parse (see UNDECODABLE)."""
-    if outcome.code == grpc.StatusCode.UNKNOWN and outcome.details.startswith(UNDECODABLE):
-        assert not decodes(cls, body), f"UNDECODABLE for bytes that parse: {body[:80]!r}"
-        return
+    """A deliberate status; the undecodable-bytes answer (UNDECODABLE) only for bytes that really do not parse."""
+    if outcome.details.startswith(UNDECODABLE):
+        assert outcome.code == grpc.StatusCode.INVALID_ARGUMENT and not decodes(cls, body), (outcome, body[:80])
+    if not decodes(cls, body):
+        assert outcome.code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICATED), (outcome,
+                                                                                                     body[:80])
     assert outcome.code in CLEAN, f"{outcome.code.name}: {outcome.details[:500]!r} for {body[:120]!r}"
 
 
@@ -249,8 +249,6 @@ def assert_refused_unless_the_token(out: Outcome, metadata, cls: type[Message], 
         assert_clean(out, cls, body)
     elif out.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         assert sum(len(v) for _, v in metadata) > 8000, out
-    elif decodes(cls, body):
+    else:  # the token is checked before any byte of the body is parsed
         assert out.code == grpc.StatusCode.UNAUTHENTICATED, out
-    else:  # parsed before the token is checked: test_fuzz_learner's ..._unauthenticated_xfail
-        assert_clean(out, cls, body)
     assert TOKEN not in out.details

@@ -71,16 +71,12 @@ def test_any_authorization_metadata(learner_control, channel, method, metadata, 
     assert_still_serves(learner_control, channel)
 
 
-@pytest.mark.xfail(strict=True, reason="grpc.aio answers UNKNOWN when the registered deserializer raises; the fix "
-                   "belongs in common/grpc_server.py (reported, not ours to edit)")
-def test_undecodable_body_is_invalid_argument_xfail(channel):
+def test_undecodable_body_is_invalid_argument(channel):
     out = call_raw(channel, "/dgrpo.v1.Learner/Stop", b"\x0a\x05ab")  # a string field cut short
     assert out.code == grpc.StatusCode.INVALID_ARGUMENT, out
 
 
-@pytest.mark.xfail(strict=True, reason="common/auth.py's _denied handler keeps the method's deserializer, so the "
-                   "body is parsed before the token is checked (reported, not ours to edit)")
-def test_undecodable_body_without_the_token_is_unauthenticated_xfail(channel):
+def test_undecodable_body_without_the_token_is_unauthenticated(channel):
     out = call_raw(channel, "/dgrpo.v1.Learner/Stop", b"\x0a\x05ab", metadata=())
     assert out.code == grpc.StatusCode.UNAUTHENTICATED, out
 
