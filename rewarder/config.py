@@ -17,7 +17,7 @@ from dgrpo.common.config import StrictConfig
 class _FunctionBase(StrictConfig):
     name: str | None = Field(default=None, min_length=1, max_length=64)
     """Name in breakdowns, logs and metrics. Unset: the built-in's type, the file function's name, or "reward_model"."""
-    weight: float = 1.0
+    weight: float = Field(default=1.0, allow_inf_nan=False)
     """Weight of this function in the sum (the reward is the weighted sum of the functions that did not return None)."""
     timeout_s: float | None = Field(default=None, gt=0, le=3600)
     """Seconds one call (one group, or one batch for a model) may take before its worker is killed and the
