@@ -5,14 +5,20 @@ its own port overrides, so there is one source of truth. Ports are picked free a
 the test suite) can share a machine. Each service's output is prefixed with its name and also kept in
 `<run>/logs/<service>.log`.
 
-Every service binds 127.0.0.1. With a token (`auth.token_file` or `DGRPO_TOKEN`, inherited by every child),
-each of them requires it and the learner's clients send it; health, which `up` polls, needs none.
+Every service binds 127.0.0.1 and requires a token: the one configured (`auth.token_file` or `DGRPO_TOKEN`), else
+a fresh one per run, kept owner-only in `<run>/token` for other clients. Children inherit it through DGRPO_TOKEN;
+health, which `up` polls, needs none.
 
-Supervision, as `docker compose up` does it: the rewarder and samplers start first and must answer gRPC health
-SERVING; then the learner runs. When the learner finishes, everything is stopped and a report is written.
-Ctrl-C (or SIGTERM) asks the learner to stop after its step (it checkpoints), then stops the rest. If any service
-dies, the whole stack is stopped and `up` exits non-zero. SIGHUP is forwarded to the rewarder: it reloads its
-reward specification in place (hot swap) while training goes on.
+Supervision, as `docker compose up` does it and a bit more: the rewarder and samplers start first and must answer
+gRPC health SERVING; then the learner runs. A sampler or the rewarder that dies meanwhile is reaped (its whole
+process group, vLLM's engine and workers included, and the shared memory only it used) and restarted on its port
+after a backoff, at most --max-restarts times within 10 minutes; training goes on throughout (the learner's calls
+to a dead replica go to the others or wait for it to come back, and a restarted sampler catches up to the current
+weights before it serves). When every sampler, or the rewarder, is given up, the learner is stopped first: it drops
+the step it cannot finish and keeps its last completed step in a checkpoint; then the rest is stopped and `up`
+exits 1. When the learner finishes, everything is stopped and a report is written. Ctrl-C (or SIGTERM) asks the
+learner to stop after its step (it checkpoints), a second one to drop the step in flight, a third kills it. SIGHUP
+is forwarded to the rewarder: it reloads its reward specification in place (hot swap) while training goes on.
 """
 
 from __future__ import annotations
@@ -30,13 +36,19 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from dgrpo.cli import procs
+from dgrpo.common.auth import TOKEN_ENV
 from dgrpo.common.config import ConfigError, load_config, to_yaml
 from dgrpo.common.preflight import check_folder, pick_free_ports
 
-REPO_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+REPO_CONFIGS = Path(__file__).resolve().parent / "configs"  # a symlink to ../configs in the tree; package data installed
 DEMO_CONFIG = REPO_CONFIGS / "cpu-demo.yaml"
 COLORS = ["\033[36m", "\033[33m", "\033[35m", "\033[32m", "\033[34m", "\033[31m"]
 RESET = "\033[0m"
+RESTART_WINDOW_S = 600.0  # a service up this long gets its whole restart budget back
+MAX_RESTART_BACKOFF_S = 60.0
+SHM_SNAPSHOT_S = 10.0  # how often the shared memory of running services is noted
+ABANDON_AFTER_S = 5.0  # grace for a learner whose step cannot finish before it is told to abandon it
 
 
 @dataclass
@@ -48,8 +60,17 @@ class Service:
     proc: subprocess.Popen | None = None
     log_path: Path | None = None
     pump: threading.Thread | None = None
+    prefix: str = ""
     expected_exit: bool = False
     lines: list[str] = field(default_factory=list)
+    restarts: int = 0
+    """Restarts since it last stayed up for RESTART_WINDOW_S."""
+    restarting: bool = False
+    gone: bool = False
+    """Dead with no restart left: the run goes on without it, or stops if it was needed."""
+    serving_since: float | None = None
+    shm: set[str] = field(default_factory=set)
+    """/dev/shm files its processes were seen using: unlinked when it is reaped, unless still in use."""
 
 
 def stable_free_port() -> int:
@@ -59,37 +80,54 @@ def stable_free_port() -> int:
 
 
 class Stack:
-    """Starts, watches and stops the local processes of one run."""
+    """Starts, watches, restarts and stops the local processes of one run."""
 
-    def __init__(self, config_path: Path, run_dir: Path, color: bool):
+    def __init__(self, config_path: Path, run_dir: Path, color: bool, *, max_restarts: int = 3,
+                 restart_backoff_s: float = 2.0, start_timeout: float = 600, weights_shm_dir: str | None = None):
         self.config_path, self.run_dir, self.color = config_path, run_dir, color
+        self.weights_shm_dir = weights_shm_dir
+        self.max_restarts, self.restart_backoff_s, self.start_timeout = max_restarts, restart_backoff_s, start_timeout
         self.services: list[Service] = []
         self._print_lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._last_snapshot = 0.0
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
 
+    def say(self, message: str) -> None:
+        with self._print_lock:
+            tqdm.write(f"dgrpo up: {message}", file=sys.stdout)
+
     def start(self, svc: Service) -> Service:
+        color = COLORS[len(self.services) % len(COLORS)] if self.color else ""
+        svc.prefix = f"{color}{svc.name:<10}|{RESET if self.color else ''} "
         svc.log_path = self.run_dir / "logs" / f"{svc.name}.log"
+        self.services.append(svc)
+        self._launch(svc)
+        return svc
+
+    def _launch(self, svc: Service) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        # Its own session, so its whole tree (vLLM's engine core and workers) is one process group to reap.
         svc.proc = subprocess.Popen(
             [sys.executable, "-m", "dgrpo.cli", svc.command, "--config", str(self.config_path), *svc.overrides],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True, text=True, bufsize=1,
         )
-        color = COLORS[len(self.services) % len(COLORS)] if self.color else ""
-        prefix = f"{color}{svc.name:<10}|{RESET if self.color else ''} "
-        svc.pump = threading.Thread(target=self._pump, args=(svc, prefix), daemon=True)
+        svc.serving_since = None
+        svc.pump = threading.Thread(target=self._pump, args=(svc, svc.proc), daemon=True)
         svc.pump.start()
-        self.services.append(svc)
-        return svc
 
-    def _pump(self, svc: Service, prefix: str) -> None:
-        with open(svc.log_path, "w") as log_file:
-            for line in svc.proc.stdout:
+    def _pump(self, svc: Service, proc: subprocess.Popen) -> None:
+        # A restarted service appends to its log: what killed it stays readable above.
+        with open(svc.log_path, "a" if svc.restarts else "w") as log_file:
+            if svc.restarts:
+                log_file.write(f"---- dgrpo up: restart {svc.restarts} of {svc.name} ----\n")
+            for line in proc.stdout:
                 log_file.write(line)
                 log_file.flush()
                 svc.lines = (svc.lines + [line])[-50:]
                 if _worth_showing(line):
                     with self._print_lock:
-                        tqdm.write(prefix + line.rstrip("\n"), file=sys.stdout)
+                        tqdm.write(svc.prefix + line.rstrip("\n"), file=sys.stdout)
 
     def wait_serving(self, svc: Service, timeout: float) -> None:
         import grpc
@@ -115,6 +153,11 @@ class Stack:
                 time.sleep(0.5)
         raise TimeoutError(f"{svc.name} not SERVING after {timeout:.0f}s (log: {svc.log_path})")
 
+    def serving(self, svc: Service) -> None:
+        """Mark `svc` up (after wait_serving) and note the shared memory it uses now."""
+        svc.serving_since = time.monotonic()
+        svc.shm |= procs.shm_files(procs.group_pids(svc.proc.pid))
+
     def failed(self) -> Service | None:
         for svc in self.services:
             if svc.proc.poll() is not None and not svc.expected_exit:
@@ -126,22 +169,127 @@ class Stack:
             if svc.name.startswith(name_prefix) and svc.proc.poll() is None:
                 svc.proc.send_signal(sig)
 
+    # ---- supervision while the learner trains -----------------------------------------------------------------
+
+    def supervise(self) -> str | None:
+        """One round: reap and restart dead samplers and the rewarder. Returns why training cannot go on (every
+        sampler, or the rewarder, dead with no restart left), else None. The learner needs no help meanwhile: its
+        calls to a dead replica go to the others, or wait for it (rollout.step_timeout_s, reward_timeout_s)."""
+        now = time.monotonic()
+        snapshot = now - self._last_snapshot > SHM_SNAPSHOT_S
+        for svc in self.services:
+            if svc.command == "learner" or svc.expected_exit or svc.restarting or svc.gone:
+                continue
+            if svc.proc.poll() is None:
+                if svc.serving_since is not None:
+                    if snapshot:
+                        svc.shm |= procs.shm_files(procs.group_pids(svc.proc.pid))
+                    if svc.restarts and now - svc.serving_since > RESTART_WINDOW_S:
+                        svc.restarts = 0  # up for a good while: a crash next week gets the full budget again
+                continue
+            self.say(f"{svc.name} exited with {svc.proc.returncode}")
+            self.reap(svc)
+            if svc.restarts >= self.max_restarts:
+                svc.gone = True
+                self.say(f"{svc.name} is gone: it died {svc.restarts + 1} times within {RESTART_WINDOW_S:.0f}s "
+                         f"(--max-restarts {self.max_restarts})")
+            else:
+                svc.restarting = True
+                threading.Thread(target=self._restart, args=(svc,), daemon=True).start()
+        if snapshot:
+            self._last_snapshot = now
+        samplers = [s for s in self.services if s.command == "sampler"]
+        if samplers and all(s.gone for s in samplers):
+            return "every sampler is gone"
+        if any(s.gone for s in self.services if s.command == "rewarder"):
+            return "the rewarder is gone"
+        return None
+
+    def _restart(self, svc: Service) -> None:
+        """Wait out the backoff, start `svc` again on its port, wait for SERVING (runs in its own thread)."""
+        try:
+            delay = min(self.restart_backoff_s * 2 ** svc.restarts, MAX_RESTART_BACKOFF_S)
+            self.say(f"restarting {svc.name} in {delay:.0f}s (restart {svc.restarts + 1} of {self.max_restarts})")
+            if self._stopping.wait(delay):
+                return
+            svc.restarts += 1
+            self._launch(svc)
+            try:
+                self.wait_serving(svc, self.start_timeout)
+            except (RuntimeError, TimeoutError) as e:
+                self.say(f"{svc.name} did not come back: {str(e).splitlines()[0]}")
+                if svc.proc.poll() is None:  # hung while starting: the next round reaps it and decides
+                    os.killpg(svc.proc.pid, signal.SIGKILL)
+                    svc.proc.wait()
+                return
+            self.serving(svc)
+            self.say(f"{svc.name} is back (SERVING after restart {svc.restarts})")
+        finally:
+            svc.restarting = False
+
+    def reap(self, svc: Service) -> None:
+        """Kill what is left of `svc`'s process group and unlink the shared memory only it used."""
+        pgid = svc.proc.pid
+        svc.shm |= procs.shm_files(procs.group_pids(pgid))
+        leftovers = procs.kill_group(pgid)
+        if svc.proc.poll() is None:
+            svc.proc.wait()
+        if svc.pump is not None:
+            svc.pump.join(5)
+        removed = procs.unlink_orphaned(svc.shm)
+        svc.shm -= set(removed)
+        if self.weights_shm_dir is not None:  # e.g. a dead sampler's tcp staging copy
+            from dgrpo.weights.shm import reclaim_stale
+
+            removed += reclaim_stale(self.weights_shm_dir)
+        if leftovers or removed:
+            self.say(f"{svc.name}: reaped {len(leftovers)} leftover process(es) and {len(removed)} shared-memory "
+                     "segment(s)")
+
+    # ---- stopping ---------------------------------------------------------------------------------------------
+
+    def stop_learner(self, learner: Service, *, abandon_step: bool, timeout: float) -> None:
+        """SIGTERM: the learner stops after its step and checkpoints. With `abandon_step` (the step cannot finish:
+        its samplers or rewarder are gone) a second SIGTERM follows: it drops the step in flight and keeps the last
+        completed one. Waits up to `timeout` for the checkpoint, then kills."""
+        learner.expected_exit = True
+        if learner.proc.poll() is not None:
+            return
+        learner.proc.send_signal(signal.SIGTERM)
+        if abandon_step:
+            try:
+                learner.proc.wait(ABANDON_AFTER_S)
+                return
+            except subprocess.TimeoutExpired:
+                learner.proc.send_signal(signal.SIGTERM)
+        try:
+            learner.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.say(f"the learner did not stop within {timeout:.0f}s: killing it (its last checkpoint stays)")
+            os.killpg(learner.proc.pid, signal.SIGKILL)
+            learner.proc.wait()
+
     def stop_all(self, timeout: float = 60) -> None:
-        """SIGTERM everything still running (learner first, so it can checkpoint), SIGKILL what hangs."""
-        for svc in sorted(self.services, key=lambda s: s.command != "learner"):
+        """The learner first (it may need the others to finish its step, then checkpoints), then the rest:
+        SIGTERM, SIGKILL what hangs, then every process group is reaped with its shared memory."""
+        self._stopping.set()
+        for svc in self.services:
+            if svc.command == "learner":
+                self.stop_learner(svc, abandon_step=False, timeout=timeout)
+        others = [s for s in self.services if s.command != "learner"]
+        for svc in others:
             svc.expected_exit = True
             if svc.proc.poll() is None:
                 svc.proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + timeout
-        for svc in self.services:
+        for svc in others:
             try:
                 svc.proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 os.killpg(svc.proc.pid, signal.SIGKILL)
                 svc.proc.wait()
         for svc in self.services:
-            if svc.pump is not None:
-                svc.pump.join(5)
+            self.reap(svc)
 
 
 OUR_LOG_LINE = re.compile(r"^\d\d:\d\d:\d\d (?P<level>[A-Z]+) \[\w+\] (?P<logger>\S+):")
@@ -244,14 +392,23 @@ def run(args) -> int:
     config_path.write_text(to_yaml(cfg))
     print(f"dgrpo up: run {cfg.learner.trainer.run_name}: {len(sampler_ports)} sampler(s), rewarder, learner; "
           f"config {config_path}, logs {run_dir / 'logs'}", flush=True)
+    if cfg.auth.token() is None:
+        os.environ[TOKEN_ENV] = _run_token(run_dir / "token")  # every child inherits it; never on a command line
+        print(f"dgrpo up: every service requires this run's token, in {run_dir / 'token'}", flush=True)
 
-    stack = Stack(config_path, run_dir, color=sys.stdout.isatty())
+    stack = Stack(config_path, run_dir, color=sys.stdout.isatty(), max_restarts=args.max_restarts,
+                  start_timeout=args.start_timeout,
+                  weights_shm_dir=cfg.weights.shm_dir if cfg.weights.transport == "shm" else None)
     interrupted = {"count": 0}
 
     def on_interrupt(signum, frame):
+        # 1st: the learner stops after its step (checkpoint); 2nd: it drops the step in flight and keeps the last
+        # completed one; 3rd: killed.
         interrupted["count"] += 1
-        print(f"\ndgrpo up: {'stopping' if interrupted['count'] == 1 else 'stopping now'} ...", flush=True)
-        stack.signal("learner", signal.SIGTERM if interrupted["count"] == 1 else signal.SIGKILL)
+        n = interrupted["count"]
+        print(f"\ndgrpo up: {['stopping after this step', 'dropping the step in flight', 'killing'][min(n, 3) - 1]}"
+              " ...", flush=True)
+        stack.signal("learner", signal.SIGTERM if n < 3 else signal.SIGKILL)
 
     signal.signal(signal.SIGINT, on_interrupt)
     signal.signal(signal.SIGTERM, on_interrupt)
@@ -259,43 +416,62 @@ def run(args) -> int:
 
     code = 1
     try:
-        rewarder = stack.start(Service("rewarder", "rewarder", [], rewarder_port))
-        samplers = [stack.start(Service(f"sampler-{i}", "sampler",
-                                        [f"sampler.port={p}", f"sampler.replica_id=sampler-{i}"], p))
-                    for i, p in enumerate(sampler_ports)]
-        for svc in [rewarder, *samplers]:
-            stack.wait_serving(svc, args.start_timeout)
-            if interrupted["count"]:
-                return 130
-        learner = stack.start(Service("learner", "learner", []))
-        progress = Progress(run_dir / "metrics.jsonl", cfg.learner.trainer.total_training_steps)
-        while learner.proc.poll() is None:
-            broken = stack.failed()
-            if broken is not None and broken is not learner:
-                print(f"dgrpo up: {broken.name} exited with {broken.proc.returncode}; stopping the stack", flush=True)
-                return 1
-            progress.update()
-            time.sleep(0.5)
-        progress.update()
-        progress.close()
-        learner.expected_exit = True
-        code = learner.proc.returncode
-        if code == 0 and not interrupted["count"]:
-            from dgrpo.cli.report import write_report
-
-            write_report(run_dir, export_dir=cfg.learner.checkpoint.export_dir)
-        return 130 if interrupted["count"] and code == 0 else code
+        code = _train(stack, cfg, args, run_dir, sampler_ports, rewarder_port, interrupted)
     except (RuntimeError, TimeoutError) as e:
         print(f"dgrpo up: {e}", file=sys.stderr, flush=True)
-        return 1
     finally:
-        stack.stop_all()
-        # A learner killed hard (second Ctrl-C) leaves its weight slots behind: reclaim dead owners' segments.
+        stack.stop_all(timeout=args.stop_timeout)
+        # A learner killed hard (third Ctrl-C) leaves its weight slots behind: reclaim dead owners' segments.
         from dgrpo.weights.shm import reclaim_stale
 
         if cfg.weights.transport == "shm":
             reclaim_stale(cfg.weights.shm_dir)
         print(f"dgrpo up: stopped (exit {code}); logs in {run_dir / 'logs'}", flush=True)
+    return code
+
+
+def _train(stack: Stack, cfg, args, run_dir: Path, sampler_ports, rewarder_port, interrupted: dict) -> int:
+    """Start the services, run the learner under supervision; returns `up`'s exit code."""
+    rewarder = stack.start(Service("rewarder", "rewarder", [], rewarder_port))
+    samplers = [stack.start(Service(f"sampler-{i}", "sampler",
+                                    [f"sampler.port={p}", f"sampler.replica_id=sampler-{i}"], p))
+                for i, p in enumerate(sampler_ports)]
+    for svc in [rewarder, *samplers]:
+        stack.wait_serving(svc, args.start_timeout)
+        stack.serving(svc)
+        if interrupted["count"]:
+            return 130
+    learner = stack.start(Service("learner", "learner", []))
+    progress = Progress(run_dir / "metrics.jsonl", cfg.learner.trainer.total_training_steps)
+    while learner.proc.poll() is None:
+        lost = stack.supervise()
+        if lost is not None:
+            stack.say(f"{lost}: stopping the learner (it keeps its last completed step)")
+            stack.stop_learner(learner, abandon_step=True, timeout=args.stop_timeout)
+            return 1
+        progress.update()
+        time.sleep(0.5)
+    progress.update()
+    progress.close()
+    learner.expected_exit = True
+    code = learner.proc.returncode
+    if code == 0 and not interrupted["count"]:
+        from dgrpo.cli.report import write_report
+
+        write_report(run_dir, export_dir=cfg.learner.checkpoint.export_dir)
+    return 130 if interrupted["count"] and code == 0 else code
+
+
+def _run_token(path: Path) -> str:
+    """A fresh token for this run, kept owner-only at `path` for clients such as grpcurl."""
+    import secrets
+
+    token = secrets.token_urlsafe(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    os.chmod(path, 0o600)  # an existing file keeps its old mode through O_CREAT
+    return token
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -310,8 +486,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samplers", type=int, default=1, help="sampler replicas to start (default 1)")
     parser.add_argument("--no-demo-data", action="store_true", help="do not generate the demo task's data")
     parser.add_argument("--start-timeout", type=float, default=600, help="seconds for a service to become healthy")
+    parser.add_argument("--max-restarts", type=int, default=3,
+                        help="restarts of a dead sampler or rewarder within 10 minutes before it is given up (default 3)")
+    parser.add_argument("--stop-timeout", type=float, default=300,
+                        help="seconds the learner gets to finish or drop its step and checkpoint when stopping")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     args = parser.parse_args(argv)
     if args.samplers < 1:
         parser.error("--samplers must be >= 1")
+    if args.max_restarts < 0:
+        parser.error("--max-restarts must be >= 0")
     return run(args)

@@ -104,6 +104,8 @@ class Trainer:
             log.info("resumed from %s at step %d (data epoch %d, index %d)", resume, self.step_num,
                      self.train_data.epoch, self.train_data.index)
         self.state.step, self.state.weight_version, self.state.epoch = self.step_num, self.version, self.train_data.epoch
+        self._saved_step = self.step_num  # (resumed from it, or step 0: nothing to keep)
+        self._data_before_step: dict | None = None
         if not self.ctx.is_main:
             return
         # Weight publisher: samplers subscribe to its announcements (signed with the stack's token, if one is set).
@@ -154,6 +156,10 @@ class Trainer:
                 out = ckpt.export_hf(self.actor, self.lc.checkpoint.export_dir, dtype=self.cfg.model.dtype)
                 log.info("exported the policy as a Hugging Face folder: %s", out)
             self.state.phase = "done"
+        except asyncio.CancelledError:
+            if not self._keep_last_step():
+                raise
+            asyncio.current_task().uncancel()
         finally:
             await self.close()
 
@@ -162,6 +168,7 @@ class Trainer:
         timer = StepTimer()
         sequences, metrics = None, {}
         if self.ctx.is_main:
+            self._data_before_step = self.train_data.state_dict()
             batch = self.train_data.next_batch()
             scored, rollout_stats = await self.sample_and_score(batch, timer)  # groups, each scored on arrival
             sequences, metrics = self.to_sequences(scored)  # group-normalized advantages
@@ -366,8 +373,35 @@ class Trainer:
         self.state.phase = "checkpointing"
         extra = {"data": self.train_data.state_dict(), "step": self.step_num, "weight_version": self.version}
         path = ckpt.save_checkpoint(self.actor, self.lc.checkpoint, self.step_num, extra)
+        self._saved_step = self.step_num
         if self.ctx.is_main:
             log.info("checkpoint step %d -> %s", self.step_num, path)
+
+    def can_drop_step(self) -> bool:
+        """Whether the model is still the last completed step's (sampling or validating), so the step in flight can
+        be dropped without losing anything but its samples."""
+        return self.state.phase in ("sampling", "validating") and self.ctx.world_size == 1
+
+    def _keep_last_step(self) -> bool:
+        """The run was cancelled mid-step (a second stop signal, e.g. from `dgrpo up` when the step's samplers or
+        rewarder are gone). While sampling or validating, the model is still the last completed step's: checkpoint
+        it, with the data position from before the dropped batch, so a resume redoes that step. Returns False when
+        there is nothing consistent to keep (the update was under way, or ranks would have to agree)."""
+        if not self.can_drop_step():
+            log.warning("cancelled while %s: not checkpointing (the last checkpoint stays)", self.state.phase)
+            return False
+        dropped = self.state.phase == "sampling"
+        if dropped and self._data_before_step is not None:
+            self.train_data.load_state_dict(self._data_before_step)
+        if self.step_num > 0 and self._saved_step != self.step_num:
+            self.save_checkpoint()
+        if dropped:
+            log.warning("cancelled while sampling: dropped step %d in flight, kept step %d", self.step_num + 1,
+                        self.step_num)
+        else:
+            log.warning("cancelled while validating: kept step %d", self.step_num)
+        self.state.phase = "stopped"
+        return True
 
     # ---- helpers ---------------------------------------------------------------------------------------
 

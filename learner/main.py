@@ -1,13 +1,15 @@
 """`dgrpo learner`: preflight (data files and columns, writable output folders with room for a checkpoint, free
 ports), then train (alone, or one rank under torchrun).
 
-SIGTERM / SIGINT ask the loop to stop after the step in progress (a checkpoint is written); a second signal
-cancels at once.
+SIGTERM / SIGINT ask the loop to stop after the step in progress (a checkpoint is written). A second one drops the
+step in flight if it is still sampling (the last completed step is checkpointed, and a resume redoes the dropped
+one); during the update it waits for the update to end. A third cancels at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import sys
@@ -107,11 +109,17 @@ async def _run(trainer) -> None:
     task = asyncio.current_task()
     loop = asyncio.get_running_loop()
 
+    signals = [0]
+
     def on_signal(signame: str) -> None:
-        if trainer.state.stop_requested:
-            task.cancel()  # second signal: do not wait for the step
+        signals[0] += 1
+        if signals[0] == 1:
+            trainer.state.request_stop(signame)  # after the step in progress, with a checkpoint
+        elif signals[0] > 2 or trainer.can_drop_step():
+            task.cancel()  # drop the step in flight (the loop keeps the last completed step) / third: at once
         else:
-            trainer.state.request_stop(signame)
+            logging.getLogger("dgrpo.learner").warning("%s while %s: the update finishes first (a third signal cancels at once)", signame,
+                        trainer.state.phase)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig.name)

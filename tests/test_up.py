@@ -9,13 +9,12 @@ import json
 import os
 import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import grpc
 import pytest
 import yaml
+from up_support import up_command, wait_for
 
 from dgrpo.v1 import rewarder_pb2, rewarder_pb2_grpc
 
@@ -33,19 +32,6 @@ functions:
 """
 
 
-def _wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen, log: Path):
-    """Poll `predicate`; fail at once, with the log's tail, if `dgrpo up` exits first."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        if proc.poll() is not None:
-            raise AssertionError(f"{what}: dgrpo up exited with {proc.returncode}\n{log.read_text()[-5000:]}")
-        time.sleep(0.5)
-    raise TimeoutError(what)
-
-
 def _our_segments() -> set[str]:
     return {p.name for p in Path("/dev/shm").glob("dgrpo-w-up_test*")}
 
@@ -53,31 +39,29 @@ def _our_segments() -> set[str]:
 def test_up_two_samplers_and_a_reward_swap(tiny_model, tmp_path):
     run_dir = tmp_path / "runs" / "up_test"
     steps = 4
-    args = [
-        sys.executable, "-m", "dgrpo.cli", "up", "--samplers", "2",
-        f"model.path={tiny_model}", "model.dtype=float32", "sampler.max_model_len=256",
-        f"learner.trainer.log_dir={tmp_path / 'runs'}", "learner.trainer.run_name=up_test",
-        f"learner.trainer.total_training_steps={steps}", "learner.trainer.val_before_train=false",
-        "learner.trainer.test_freq=0", "learner.data.train_batch_size=4", "learner.actor.ppo_mini_batch_size=4",
-        "learner.actor.micro_batch_size_per_device=4", "learner.rollout.n=4", "learner.rollout.max_response_length=24",
-        f"learner.checkpoint.dir={tmp_path / 'ckpt'}", f"learner.checkpoint.export_dir={tmp_path / 'model'}",
-        "learner.data.max_prompt_length=96", "learner.optim.lr=1e-4",
-    ]
+    args = up_command(tiny_model, tmp_path, "up_test", steps, "--samplers", "2")
     log = open(tmp_path / "up.log", "w")  # noqa: SIM115
     proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
-        stack = _wait_for(lambda: (run_dir / "stack.yaml").is_file() and yaml.safe_load((run_dir / "stack.yaml")
+        stack = wait_for(lambda: (run_dir / "stack.yaml").is_file() and yaml.safe_load((run_dir / "stack.yaml")
                                                                                         .read_text()),
                           60, "dgrpo up wrote no stack.yaml", proc, tmp_path / "up.log")
         rewarder = f"127.0.0.1:{stack['rewarder']['port']}"
         metrics = run_dir / "metrics.jsonl"
         # After the first step has been scored, swap the reward specification in place.
-        _wait_for(lambda: metrics.is_file() and metrics.read_text().strip(), 400, "no training step finished",
+        wait_for(lambda: metrics.is_file() and metrics.read_text().strip(), 400, "no training step finished",
                   proc, tmp_path / "up.log")
+        # `up` made a token for the run (none was configured): Reload without it is refused, with it served.
+        token = (run_dir / "token").read_text().strip()
+        assert (run_dir / "token").stat().st_mode & 0o777 == 0o600
         with grpc.insecure_channel(rewarder) as channel:
-            reply = rewarder_pb2_grpc.RewarderStub(channel).Reload(rewarder_pb2.ReloadRequest(spec_text=NEW_SPEC),
-                                                                    timeout=60)
+            stub = rewarder_pb2_grpc.RewarderStub(channel)
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.Reload(rewarder_pb2.ReloadRequest(spec_text=NEW_SPEC), timeout=60)
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            reply = stub.Reload(rewarder_pb2.ReloadRequest(spec_text=NEW_SPEC), timeout=60,
+                                metadata=[("authorization", f"Bearer {token}")])
         assert reply.spec.name == "swapped" and reply.previous.name != "swapped"
         assert proc.wait(600) == 0, (tmp_path / "up.log").read_text()[-5000:]
     finally:
