@@ -27,7 +27,8 @@ def _copy_source(dest: Path) -> None:
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, dest / name)
     for folder in folders:
-        shutil.copytree(ROOT / folder, dest / folder, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        shutil.copytree(ROOT / folder, dest / folder, symlinks=True,  # cli/configs stays a link to ../configs
+                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
 
 
 @pytest.mark.slow
