@@ -36,8 +36,13 @@ from dgrpo.learner.distributed import (
 )
 from dgrpo.weights.gather import DEFAULT_BUCKET_BYTES, full_tensors
 
-TOKEN_MEANS = ("clip_frac_low", "clip_frac_high", "clip_frac_dual", "ratio", "kl", "entropy", "sampler_logp_diff")
+TOKEN_MEANS = (
+    "clip_frac_low", "clip_frac_high", "clip_frac_dual", "ratio", "kl", "entropy", "sampler_logp_diff",
+    "is_weight_mean", "off_policy_masked_frac",
+)
 """Per-token statistics of the step, reported as means over the loss tokens of all ranks (StepSums fields)."""
+MAXIMA = ("is_weight_max",)
+"""StepSums fields that are maxima over the step's micro-batches and ranks, not sums."""
 
 
 @dataclass
@@ -46,16 +51,19 @@ class StepSums:
 
     `all_reduced` stacks the fields into one float64 tensor, sums it over ranks in a single all-reduce and reads
     it back by field name: one collective per step, and no offsets for a metric to be read from the wrong slot.
+    The MAXIMA fields take a second, max all-reduce, only when asked (off-policy correction on).
     """
 
     clip_frac_low: float = 0.0
-    """This and the next six: the micro-batch's token mean x its loss tokens (TOKEN_MEANS)."""
+    """This and the next eight: the micro-batch's token mean x its loss tokens (TOKEN_MEANS)."""
     clip_frac_high: float = 0.0
     clip_frac_dual: float = 0.0
     ratio: float = 0.0
     kl: float = 0.0
     entropy: float = 0.0
     sampler_logp_diff: float = 0.0
+    is_weight_mean: float = 0.0
+    off_policy_masked_frac: float = 0.0
     loss_tokens: float = 0.0
     """Completion tokens under the loss mask: what the token means divide by."""
     loss: float = 0.0
@@ -68,11 +76,25 @@ class StepSums:
     """Tokens the forwards computed, padding included."""
     sequence_tokens: float = 0.0
     """Prompt + completion tokens of the sequences trained on (a shared prompt counts once per sequence)."""
+    is_weight_max: float = 0.0
+    """The largest importance weight of any loss token (a maximum, MAXIMA; weights are >= 0)."""
 
-    def all_reduced(self, ctx: DistContext) -> StepSums:
-        names = [f.name for f in fields(self)]
+    def all_reduced(self, ctx: DistContext, maxima: bool = False) -> StepSums:
+        """Sums over ranks; with `maxima` (every rank must pass the same) also the MAXIMA fields' maxima."""
+        names = [f.name for f in fields(self) if f.name not in MAXIMA]
         stacked = torch.tensor([getattr(self, name) for name in names], dtype=torch.float64)
-        return StepSums(**dict(zip(names, all_reduce_sum(stacked, ctx).tolist())))
+        out = StepSums(**dict(zip(names, all_reduce_sum(stacked, ctx).tolist())))
+        for name in MAXIMA:
+            value = getattr(self, name)
+            setattr(out, name, _max_over_ranks(value, ctx) if maxima else value)
+        return out
+
+
+def _max_over_ranks(value: float, ctx: DistContext) -> float:
+    """Max of a float >= 0 over ranks through the integer all_reduce_max: the bits of non-negative IEEE floats,
+    read as integers, order as the floats do."""
+    bits = torch.tensor([value], dtype=torch.float64).view(torch.int64).item()
+    return torch.tensor([all_reduce_max(bits, ctx)], dtype=torch.int64).view(torch.float64).item()
 
 
 def lr_factor(step: int, optim: OptimConfig, total_steps: int) -> float:
@@ -271,9 +293,12 @@ class Actor:
             )
         if mini % ctx.world_size:
             raise ValueError(f"a mini-batch of {mini} sequences cannot be split over {ctx.world_size} ranks")
-        needs_sampler = self.algo.old_logprobs == "sampler" or self.algo.tis_cap is not None
+        needs_sampler = self.algo.old_logprobs == "sampler" or self.algo.off_policy != "none"
         if needs_sampler and any(s.sampler_logprobs is None for s in seqs):
-            raise ValueError("algorithm.old_logprobs=sampler / tis_cap need the sampler's logprobs on every sequence")
+            raise ValueError(
+                "algorithm.old_logprobs=sampler / off_policy=tis|mask (or tis_cap) need the sampler's logprobs on "
+                "every sequence (the behaviour policy)"
+            )
         return [list(range(i, i + mini)) for i in range(0, len(seqs), mini)]
 
     def _frozen_logprobs(
@@ -308,7 +333,7 @@ class Actor:
         self.scheduler.step()
         self.step += 1
         t2 = time.perf_counter()
-        metrics = self._metrics(sums.all_reduced(self.ctx), seqs, grad_norms, lr)
+        metrics = self._metrics(sums.all_reduced(self.ctx, maxima=self.algo.off_policy != "none"), seqs, grad_norms, lr)
         metrics.update({"timing/logprob_s": t1 - t0, "timing/update_s": t2 - t1})
         return metrics
 
@@ -322,6 +347,12 @@ class Actor:
             del metrics["actor/clip_frac_dual"]
         if any(s.sampler_logprobs is None for s in seqs):
             del metrics["actor/sampler_logp_diff"]
+        if self.algo.off_policy == "none":
+            del metrics["actor/is_weight_mean"]
+        else:
+            metrics["actor/is_weight_max"] = sums.is_weight_max
+        if self.algo.off_policy != "mask":
+            del metrics["actor/off_policy_masked_frac"]
         updates = len(grad_norms)
         metrics.update({
             "actor/loss": sums.loss / updates,
@@ -391,11 +422,16 @@ class Actor:
         else:
             old_logp = logp.detach()  # one update per step: the policy before it is the policy now
         ref_logp = self._rows(ref, mb) if ref else None
+        # Off-policy correction: old_logp (the learner's, recompute) is the proximal policy, the sampler's the
+        # behaviour policy (config checks guarantee both).
         is_w = grpo.truncated_is_weights(old_logp, mb.sampler_logp, algo.tis_cap) if algo.tis_cap else None
+        keep = None
+        if algo.off_policy == "mask":
+            keep = grpo.off_policy_keep(old_logp, mb.sampler_logp, mask, algo.off_policy_band, algo.off_policy_level)
         loss, stats = grpo.policy_loss(
             logp, old_logp, mb.advantages, mask, ref_logp=ref_logp, beta=algo.beta, clip_low=algo.clip_low,
             clip_high=algo.clip_high, agg=algo.loss_agg,
-            max_response_length=algo.loss_scale_factor or self.max_response_length, is_weights=is_w,
+            max_response_length=algo.loss_scale_factor or self.max_response_length, is_weights=is_w, keep=keep,
             clip_ratio_c=algo.clip_ratio_c, kl_cap=algo.kl_cap,
         )
         return loss, stats, mask
@@ -413,12 +449,15 @@ class Actor:
         if mb.sampler_logp is not None:  # how far the sampler's policy is from the learner's (sync check)
             stats["sampler_logp_diff"] = ((logp.detach() - mb.sampler_logp).abs() * mask).sum() / tokens
         means = [name for name in TOKEN_MEANS if name in stats]
+        maxima = [name for name in MAXIMA if name in stats]
         # One device->host copy per micro-batch (a sync point on accelerators).
-        tok, loss_v, pg_v, *values = torch.stack(
-            [t.double() for t in (mask.sum(), loss.detach(), stats["pg_loss"], *(stats[n] for n in means))]
-        ).cpu().tolist()
+        tok, loss_v, pg_v, *values = torch.stack([
+            t.double() for t in (mask.sum(), loss.detach(), stats["pg_loss"], *(stats[n] for n in means + maxima))
+        ]).cpu().tolist()
         for name, value in zip(means, values):
             setattr(sums, name, getattr(sums, name) + value * tok)
+        for name, value in zip(maxima, values[len(means):]):
+            setattr(sums, name, max(getattr(sums, name), value))
         sums.loss_tokens += tok
         sums.loss += loss_v * weight / self.ctx.world_size
         sums.pg_loss += pg_v * weight / self.ctx.world_size

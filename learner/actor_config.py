@@ -23,6 +23,9 @@ TRL_LOSS_TYPES = {
     "dr_grpo": "seq-mean-token-sum-norm",
 }
 AdvantageScale = Literal["group", "batch", "none"]
+OffPolicy = Literal["none", "tis", "mask"]
+DEFAULT_TIS_CAP = 2.0
+"""tis_cap of off_policy=tis when none is set (Yao et al. 2025's choice, verl's rollout_is_threshold default)."""
 
 
 class AlgorithmConfig(StrictConfig):
@@ -62,11 +65,27 @@ class AlgorithmConfig(StrictConfig):
     """The behaviour policy of the PPO ratio. recompute: the learner's own logprobs before the update (one
     extra no-grad forward when a step has more than one optimizer update; skipped when it has one, since the
     ratio is then exactly 1 at the first update); sampler: the sampler's logprobs as sent with each token."""
+    off_policy: OffPolicy = "none"
+    """Correction for tokens drawn by another policy than the learner's: the sampler's numerics, or older weights
+    (asynchronous GRPO). The sampler's logprobs are the behaviour policy, the learner's own logprobs at the start
+    of the step the proximal policy the PPO clip is anchored to (AReaL's decoupled PPO, Fu et al. 2025); r =
+    exp(proximal - behaviour) per token. none: no correction. tis: each token's policy-gradient term is weighted by
+    min(r, tis_cap) (TIS, Yao et al. 2025; verl's rollout_is: token). mask: tokens (off_policy_level: token) or
+    whole sequences (sequence) whose r leaves off_policy_band are dropped from the loss, staying in its denominator
+    (IcePop; verl's rollout_rs; "MIS"); the kept tokens are also weighted by min(r, tis_cap) when tis_cap is set.
+    tis and mask need old_logprobs=recompute and the sampler's logprobs. Unset with tis_cap set: tis (as before
+    off_policy existed). docs/peers.md maps each to verl and AReaL."""
     tis_cap: float | None = Field(default=None, gt=0)
-    """Truncated importance sampling of the sampler/learner mismatch (Yao et al. 2025, "Your efficient RL
-    framework secretly brings you off-policy RL training"; verl's tis_imp_ratio_cap): each token's policy
-    loss is weighted by min(exp(old_logp - sampler_logp), tis_cap). Only with old_logprobs=recompute.
-    Null: off. 2.0 is the note's choice."""
+    """Truncation of the importance weight min(exp(old_logp - sampler_logp), tis_cap) (Yao et al. 2025, "Your
+    efficient RL framework secretly brings you off-policy RL training"; verl's rollout_is_threshold, formerly
+    tis_imp_ratio_cap). Used by off_policy tis (null there: 2.0, the note's choice) and mask (null there: kept
+    tokens are not weighted). Setting it alone means off_policy=tis."""
+    off_policy_band: tuple[float, float] = (0.5, 2.0)
+    """[low, high] of the ratio r that off_policy=mask keeps (edges included; low 0: no lower bound). verl's
+    rollout_rs_threshold "low_high"; AReaL's behav_imp_weight_cap c is [0, c]."""
+    off_policy_level: Literal["token", "sequence"] = "token"
+    """What off_policy=mask decides on. token: each token's own r; sequence: the geometric mean of the sequence's
+    token ratios, exp(mean log r), keeps or drops all its tokens (verl's Geo-RS, rollout_rs seq_mean_k1)."""
     mask_truncated: bool = False
     """Drop completions that hit max_tokens (finish_reason length) from the loss (DAPO's overlong filtering):
     a cut-off answer is neither right nor wrong."""
@@ -84,12 +103,43 @@ class AlgorithmConfig(StrictConfig):
             )
         return value
 
+    @model_validator(mode="before")
+    @classmethod
+    def _resolve_off_policy(cls, data: object) -> object:
+        """tis_cap alone keeps meaning truncated IS (configs from before off_policy); tis without a cap gets 2.0.
+        Resolved here so show-config prints what runs."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        if data.get("off_policy") is None and data.get("tis_cap") is not None:
+            data["off_policy"] = "tis"
+        if data.get("off_policy") == "tis" and data.get("tis_cap") is None:
+            data["tis_cap"] = DEFAULT_TIS_CAP
+        return data
+
     @model_validator(mode="after")
     def _check(self) -> AlgorithmConfig:
-        if self.tis_cap is not None and self.old_logprobs != "recompute":
+        if self.off_policy == "none" and self.tis_cap is not None:
             raise ValueError(
-                "tis_cap needs old_logprobs='recompute' (with old_logprobs='sampler' the PPO ratio is already "
-                "taken against the sampler)"
+                f"tis_cap={self.tis_cap} is set but off_policy='none' turns importance weighting off: drop tis_cap, "
+                "or set off_policy to 'tis' (or 'mask')"
+            )
+        if self.off_policy != "none" and self.old_logprobs != "recompute":
+            raise ValueError(
+                f"off_policy={self.off_policy!r} (or tis_cap) needs old_logprobs='recompute': the proximal policy is "
+                "the learner's own logprobs (with old_logprobs='sampler' the PPO ratio is already taken against the "
+                "sampler)"
+            )
+        if self.off_policy_level == "sequence" and self.off_policy != "mask":
+            raise ValueError(
+                f"off_policy_level='sequence' applies to off_policy='mask', not {self.off_policy!r} (tis weighs each "
+                "token)"
+            )
+        low, high = self.off_policy_band
+        if not (0 <= low <= 1 <= high and low < high):
+            raise ValueError(
+                f"off_policy_band=[{low}, {high}] must satisfy 0 <= low <= 1 <= high, low < high (a band without 1 "
+                "would drop on-policy tokens)"
             )
         return self
 
