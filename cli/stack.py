@@ -7,6 +7,8 @@ handed (services cannot import this module: it imports all of them).
 
 from __future__ import annotations
 
+import logging
+
 from pydantic import Field
 
 from dgrpo.common.auth import AuthConfig
@@ -45,6 +47,16 @@ class StackConfig(StrictConfig):
                 f"learner.data.max_prompt_length={prompt} + learner.rollout.max_response_length={response} exceeds "
                 f"sampler.max_model_len={self.sampler.max_model_len}: the samplers could not hold a full sequence"
             )
+        if self.learner.rollout.max_staleness and self.weights.pause_mode == "abort":
+            raise ConfigError(
+                f"learner.rollout.max_staleness={self.learner.rollout.max_staleness} with weights.pause_mode=abort: "
+                "every weight update would abort the batches sampled ahead; use weights.pause_mode=keep"
+            )
+        if self.learner.rollout.max_staleness and self.weights.pause_mode == "wait":
+            logging.getLogger("dgrpo").warning(
+                "learner.rollout.max_staleness=%d with weights.pause_mode=wait: each weight update waits for every "
+                "request in flight to finish, so sampling stalls at each step; weights.pause_mode=keep lets updates "
+                "land between engine steps", self.learner.rollout.max_staleness)
 
     def learner_run(self) -> LearnerRunConfig:
         """The learner's sections, the sampler addresses it drives, and this whole config for its records."""

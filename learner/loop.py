@@ -36,6 +36,7 @@ from dgrpo.learner.control import LoopState, start_control_server
 from dgrpo.learner.data import PromptRecord, PromptStream, load_prompts
 from dgrpo.learner.distributed import DistContext, broadcast_object, init_distributed
 from dgrpo.learner.metrics import MetricsLogger, StepTimer
+from dgrpo.learner.pipeline import RolloutPipeline, staleness_metrics
 from dgrpo.learner.reward_client import GroupReward, RewardClient, score_group
 from dgrpo.learner.rollout import RolloutClient, RolloutStats, make_prompt
 from dgrpo.v1 import sampler_pb2
@@ -106,8 +107,11 @@ class Trainer:
         self.state.step, self.state.weight_version, self.state.epoch = self.step_num, self.version, self.train_data.epoch
         self._saved_step = self.step_num  # (resumed from it, or step 0: nothing to keep)
         self._data_before_step: dict | None = None
+        self.pipeline: RolloutPipeline | None = None
         if not self.ctx.is_main:
             return
+        if lc.rollout.max_staleness:  # asynchronous: batches sampled ahead of the update (learner/pipeline.py)
+            self.pipeline = RolloutPipeline(self.train_data, self._sample_ahead, lc.rollout.max_staleness)
         # Weight publisher: samplers subscribe to its announcements (signed with the stack's token, if one is set).
         from dgrpo.weights.publisher import WeightPublisher
 
@@ -161,6 +165,8 @@ class Trainer:
                 raise
             asyncio.current_task().uncancel()
         finally:
+            if self.pipeline is not None:  # batches sampled ahead are abandoned; a resume samples them again
+                await self.pipeline.cancel()
             await self.close()
 
     async def step(self) -> None:
@@ -168,11 +174,16 @@ class Trainer:
         timer = StepTimer()
         sequences, metrics = None, {}
         if self.ctx.is_main:
-            self._data_before_step = self.train_data.state_dict()
-            batch = self.train_data.next_batch()
-            scored, rollout_stats = await self.sample_and_score(batch, timer)  # groups, each scored on arrival
+            if self.pipeline is None:  # lockstep: sample this step's batch now, with the current weights
+                self._data_before_step = self.train_data.state_dict()
+                batch = self.train_data.next_batch()
+                scored, rollout_stats = await self.sample_and_score(batch, timer)  # groups, each scored on arrival
+                ahead = {}
+            else:  # asynchronous: sampled while earlier steps trained, by weights at most max_staleness behind
+                scored, rollout_stats, ahead = await self.take_ahead(timer)
             sequences, metrics = self.to_sequences(scored)  # group-normalized advantages
             metrics.update(rollout_stats.as_metrics())
+            metrics.update(ahead)
         sequences = broadcast_object(sequences, self.ctx)  # every rank trains on its share of the same batch
         metrics.update(await self.train(sequences, timer))
         self.step_num += 1
@@ -180,6 +191,8 @@ class Trainer:
         self.state.phase = "publishing"
         with timer.phase("weight_sync"):
             metrics["weights/publish_s"] = self.publish()  # samplers load it before the next rollout
+        if self.pipeline is not None:  # the new version lets the next batch start at once
+            self.pipeline.fill(self.step_num + 1, self.version, self.total_steps)
         self.log_step(timer, metrics, sequences)
 
     # ---- the pieces of a step -------------------------------------------------------------------------
@@ -209,7 +222,28 @@ class Trainer:
             self.state.metrics = metrics
         self.state.step, self.state.weight_version, self.state.epoch = self.step_num, self.version, self.train_data.epoch
 
-    def sampling_params(self, *, greedy: bool = False) -> sampler_pb2.SamplingParams:
+    async def take_ahead(self, timer: StepTimer) -> tuple[list[ScoredGroup], RolloutStats, dict[str, float]]:
+        """This step's batch from the pipeline (started up to max_staleness steps ago), and its metrics."""
+        self.state.phase = "sampling"
+        step = self.step_num + 1
+        self.pipeline.fill(step, self.version, self.total_steps)
+        with timer.phase("generate"):  # only the wait: what sampling ahead did not hide
+            taken = await self.pipeline.take(step, self.version)
+        self._data_before_step, self._reward_busy = taken.data_before, taken.reward_busy_s
+        return taken.scored, taken.stats, {
+            **staleness_metrics(taken.scored, self.version),
+            "staleness/dropped_groups": float(taken.dropped_groups),
+            "rollout/batch_latency_s": taken.latency_s,
+            "rollout/batches_ahead": float(len(self.pipeline.in_flight)),
+        }
+
+    async def _sample_ahead(self, batch: list[PromptRecord], step: int, min_version: int):
+        """The pipeline's sampler: step `step`'s batch at >= `min_version`, scored; no phase or timer of its own."""
+        scored, stats, busy, _ = await self._sample_and_score(
+            batch, self.sampling_params(step=step), prefix=f"s{step}-", min_version=min_version)
+        return scored, stats, busy
+
+    def sampling_params(self, *, greedy: bool = False, step: int | None = None) -> sampler_pb2.SamplingParams:
         r = self.lc.rollout
         params = sampler_pb2.SamplingParams(
             n=1 if greedy else r.n, temperature=0.0 if greedy else r.temperature, max_tokens=r.max_response_length,
@@ -217,16 +251,27 @@ class Trainer:
         )
         if not greedy:
             params.top_p, params.top_k, params.min_p = r.top_p, r.top_k, r.min_p
-            if r.seed is not None:
-                params.seed = r.seed + self.step_num  # each step samples differently, resumes reproducibly
+            if r.seed is not None:  # each step samples differently, resumes reproducibly
+                params.seed = r.seed + (self.step_num if step is None else step - 1)
         return params
 
     async def sample_and_score(
         self, batch: list[PromptRecord], timer: StepTimer, *, greedy: bool = False, tag: str = "s"
     ) -> tuple[list[ScoredGroup], RolloutStats]:
-        """Stream the batch's groups from the samplers; score each group the moment it arrives."""
+        """Stream the batch's groups from the samplers at the current version; score each group the moment it
+        arrives."""
         self.state.phase = "sampling" if tag == "s" else "validating"
-        prefix = f"{tag}{self.step_num + 1}-"
+        scored, stats, self._reward_busy, (t_generate, t_reward) = await self._sample_and_score(
+            batch, self.sampling_params(greedy=greedy), prefix=f"{tag}{self.step_num + 1}-", min_version=self.version)
+        timer.add("generate", t_generate)
+        timer.add("reward", t_reward)  # only the tail: scoring overlapped generation until the last group
+        return scored, stats
+
+    async def _sample_and_score(
+        self, batch: list[PromptRecord], params: sampler_pb2.SamplingParams, *, prefix: str, min_version: int
+    ) -> tuple[list[ScoredGroup], RolloutStats, float, tuple[float, float]]:
+        """Groups in batch order, the rollout's stats, the rewarder's busy seconds, (generate, reward tail)
+        seconds."""
         prompts = [make_prompt(f"{prefix}{i}", rec.token_ids) for i, rec in enumerate(batch)]
         stats = RolloutStats()
         scoring: dict[int, asyncio.Task] = {}
@@ -243,8 +288,7 @@ class Trainer:
 
         t0 = time.perf_counter()
         try:
-            async for group in self.rollout.generate(prompts, self.sampling_params(greedy=greedy),
-                                                     min_weight_version=self.version, stats=stats):
+            async for group in self.rollout.generate(prompts, params, min_weight_version=min_version, stats=stats):
                 i = int(group.prompt_id.removeprefix(prefix))
                 groups[i] = group
                 scoring[i] = asyncio.create_task(score(i, group))
@@ -254,11 +298,9 @@ class Trainer:
             for task in scoring.values():
                 task.cancel()
         t2 = time.perf_counter()
-        timer.add("generate", t1 - t0)
-        timer.add("reward", t2 - t1)  # only the tail: scoring overlapped generation until t1
-        self._reward_busy = busy[0]
         # Batch order, not arrival order: the update must not depend on which replica was faster.
-        return [ScoredGroup(batch[i], groups[i], rewards[i]) for i in range(len(batch))], stats
+        scored = [ScoredGroup(batch[i], groups[i], rewards[i]) for i in range(len(batch))]
+        return scored, stats, busy[0], (t1 - t0, t2 - t1)
 
     def to_sequences(self, scored: list[ScoredGroup]) -> tuple[list[Sequence], dict[str, float]]:
         """Group-normalized advantages, and the Sequences the actor trains on (groups contiguous)."""
@@ -371,7 +413,9 @@ class Trainer:
 
     def save_checkpoint(self) -> None:
         self.state.phase = "checkpointing"
-        extra = {"data": self.train_data.state_dict(), "step": self.step_num, "weight_version": self.version}
+        # Where a resume continues: after the last trained batch (batches sampled ahead are sampled again).
+        data = self.pipeline.data_position() if self.pipeline is not None else None
+        extra = {"data": data or self.train_data.state_dict(), "step": self.step_num, "weight_version": self.version}
         path = ckpt.save_checkpoint(self.actor, self.lc.checkpoint, self.step_num, extra)
         self._saved_step = self.step_num
         if self.ctx.is_main:
@@ -391,6 +435,8 @@ class Trainer:
             log.warning("cancelled while %s: not checkpointing (the last checkpoint stays)", self.state.phase)
             return False
         dropped = self.state.phase == "sampling"
+        if dropped and self.pipeline is not None:
+            self.pipeline.abandon()  # the batches after the dropped one: sampled again on resume
         if dropped and self._data_before_step is not None:
             self.train_data.load_state_dict(self._data_before_step)
         if self.step_num > 0 and self._saved_step != self.step_num:

@@ -77,6 +77,12 @@ class RolloutConfig(StrictConfig):
     """First wait before a replica that failed is tried again; doubles per failure up to `max_backoff_s`."""
     max_backoff_s: float = Field(default=10.0, gt=0)
     """Longest wait between retries on one replica."""
+    max_staleness: int = Field(default=0, ge=0, le=16)
+    """Asynchronous GRPO (learner/pipeline.py): how many versions behind the policy being updated a sample may
+    be. 0: lockstep, on-policy (sample, then train, then publish). k >= 1: batches t+1 ... t+k are sampled and
+    scored while batch t trains, so the samplers never wait for the update; a group sampled by weights older than
+    (current version - k) is never trained on. Pair it with weights.pause_mode=keep (updates land between engine
+    steps without draining the requests in flight) and the algorithm.off_policy correction (docs/learner.md)."""
     step_timeout_s: float = Field(default=3600.0, gt=0)
     """Give up (and stop training with an error) when a step's groups are not all in after this long."""
     rewarder_address: str = "localhost:50052"
@@ -103,6 +109,15 @@ class RolloutStats:
     duplicates_dropped: int = 0
     replicas: int = 0
     groups_by_replica: Counter = field(default_factory=Counter)
+
+    def merge(self, other: RolloutStats) -> None:
+        """Add another call's counts (a batch sampled in two parts)."""
+        self.calls += other.calls
+        self.failed_calls += other.failed_calls
+        self.retried_prompts += other.retried_prompts
+        self.duplicates_dropped += other.duplicates_dropped
+        self.replicas = max(self.replicas, other.replicas)
+        self.groups_by_replica.update(other.groups_by_replica)
 
     def as_metrics(self) -> dict[str, float]:
         return {

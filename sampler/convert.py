@@ -60,6 +60,7 @@ def group_to_pb(g: GroupResult, replica_id: str) -> pb.Group:
                 text=c.text,
                 finish_reason=FINISH_TO_PB[c.finish_reason],
                 weight_version=c.weight_version,
+                first_weight_version=c.first_weight_version,
             )
             for c in g.completions
         ],
@@ -72,7 +73,8 @@ def group_from_pb(g: pb.Group) -> GroupResult:
         prompt_token_ids=list(g.prompt_token_ids),
         completions=[
             CompletionResult(list(c.token_ids), list(c.logprobs), c.text, FINISH_FROM_PB[c.finish_reason],
-                             c.weight_version)
+                             c.weight_version,
+                             c.first_weight_version if c.HasField("first_weight_version") else None)
             for c in g.completions
         ],
     )

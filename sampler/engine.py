@@ -67,6 +67,9 @@ class CompletionResult:
     text: str
     finish_reason: FinishReason
     weight_version: int
+    """The last version that produced its tokens (read at completion)."""
+    first_weight_version: int | None = None
+    """The version loaded when the request was admitted (None: not recorded, e.g. from an older sampler)."""
 
 
 @dataclass
@@ -295,6 +298,7 @@ class SamplerEngine:
 
     async def _sample_group(self, prompt_id: str, ids: list[int], params) -> GroupResult:
         final = None
+        first_version = self._weight_version  # no token of this request comes from an older version
         try:
             async for out in self.llm.generate({"prompt_token_ids": ids}, params, f"{prompt_id}-{uuid.uuid4().hex[:12]}"):
                 final = out
@@ -307,14 +311,15 @@ class SamplerEngine:
         if final is None:
             raise EngineUnavailable(f"prompt {prompt_id!r}: the engine returned no output (shutting down?)")
         # Read at completion: updates pause generation in "wait" mode (in-flight requests finish on the old
-        # weights) and record the new version before resuming, so this is the version that produced every token.
+        # weights) and record the new version before resuming, so this is the version that produced every token;
+        # in "keep" mode requests continue on the new weights, so their tokens span first_version..version.
         version = self._weight_version
         completions = []
         for c in sorted(final.outputs, key=lambda c: c.index):
             token_ids = list(c.token_ids)
             logprobs = [pos[t].logprob for pos, t in zip(c.logprobs or [], token_ids)]
             completions.append(
-                CompletionResult(token_ids, logprobs, c.text, finish_reason(c.finish_reason), version)
+                CompletionResult(token_ids, logprobs, c.text, finish_reason(c.finish_reason), version, first_version)
             )
         return GroupResult(prompt_id, ids, completions)
 

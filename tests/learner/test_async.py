@@ -1,0 +1,201 @@
+"""Asynchronous GRPO against real services: two sampler replicas (vLLM on CPU, tiny model, in-flight weight updates
+with weights.pause_mode=keep), a rewarder, and learners with rollout.max_staleness >= 1.
+
+One module-scoped stack serves every test. Order matters: the last test kills a replica.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import yaml
+from support import ServiceProcess, free_port
+
+from dgrpo.cli.up import stable_free_port
+from dgrpo.v1 import learner_pb2, learner_pb2_grpc, sampler_pb2, sampler_pb2_grpc
+
+pytestmark = pytest.mark.slow
+REWARD_FNS = Path(__file__).with_name("reward_fns.py")
+REWARD_SPEC = f"rewarder.spec={{name: test, functions: [{{type: file, path: {REWARD_FNS}, function: char_diversity}}]}}"
+
+
+def fixed_port() -> int:
+    return stable_free_port()
+
+
+def start_rewarder(port: int) -> ServiceProcess:
+    return ServiceProcess("rewarder", [f"rewarder.port={port}", "rewarder.host=127.0.0.1", "rewarder.workers=1",
+                                       REWARD_SPEC], port)
+
+
+def sampler_version(address: str) -> int:
+    with grpc.insecure_channel(address) as ch:
+        return sampler_pb2_grpc.SamplerStub(ch).Info(sampler_pb2.InfoRequest(), timeout=10).weight_version
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model, tmp_path_factory):
+    root = tmp_path_factory.mktemp("async")
+    announce, control = fixed_port(), fixed_port()
+    weights = [f"weights.announce_port={announce}", f"weights.control_port={control}", "weights.pause_mode=keep"]
+    samplers = [
+        ServiceProcess("sampler", [f"model.path={tiny_model}", "model.dtype=float32", f"sampler.port={port}",
+                                   "sampler.host=127.0.0.1", "sampler.enforce_eager=true", "sampler.max_model_len=512",
+                                   f"sampler.replica_id=r{i}", "sampler.shutdown_grace_s=1", *weights], port)
+        for i, port in enumerate([free_port(), free_port()])
+    ]
+    rewarder = start_rewarder(free_port())
+    try:
+        for svc in [rewarder, *samplers]:
+            svc.wait_ready(timeout=400)
+        rows = [{"prompt": f"What is {a}+{b}?", "answer": str(a + b)} for a in range(5) for b in range(5)]
+        (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (root / "val.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:2]))
+        config = {
+            "model": {"path": str(tiny_model), "dtype": "float32"},
+            "sampler": {"addresses": [s.address for s in samplers], "max_model_len": 512},
+            "weights": {"announce_port": announce, "control_port": control, "pause_mode": "keep"},
+            "learner": {
+                "data": {"train_files": [str(root / "train.jsonl")], "val_files": [str(root / "val.jsonl")],
+                         "train_batch_size": 2, "max_prompt_length": 64, "seed": 5},
+                "rollout": {"n": 4, "max_response_length": 24, "seed": 3, "rewarder_address": rewarder.address,
+                            "max_staleness": 2},
+                # A deliberately slow update (4 epochs of 2 mini-batches, micro-batches of 1) next to fast
+                # sampling: the batches sampled ahead are as stale as allowed.
+                "actor": {"ppo_mini_batch_size": 1, "micro_batch_size_per_device": 1, "ppo_epochs": 4,
+                          "dtype": "float32", "compute_entropy": False},
+                "algorithm": {"off_policy": "tis"} if _has_off_policy() else {"tis_cap": 2.0},
+                "optim": {"lr": 1e-3},
+                "checkpoint": {"save_freq": 0, "keep_last": None},
+                "trainer": {"total_training_steps": 6, "test_freq": 3, "control_port": 0,
+                            "log_dir": str(root / "runs")},
+            },
+        }
+        (root / "stack.yaml").write_text(yaml.safe_dump(config))
+        yield {"root": root, "config": root / "stack.yaml", "samplers": samplers, "rewarder": rewarder}
+    finally:
+        for svc in [rewarder, *samplers]:
+            if svc.proc.poll() is None:
+                svc.proc.terminate()
+        for svc in [rewarder, *samplers]:
+            svc.stop(timeout=30)
+
+
+def _has_off_policy() -> bool:
+    from dgrpo.learner.actor_config import AlgorithmConfig
+
+    return "off_policy" in AlgorithmConfig.model_fields
+
+
+def _learner(stack, run: str, *overrides: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    root = stack["root"]
+    cmd = [sys.executable, "-m", "dgrpo.cli", "learner", "--config", str(stack["config"]),
+           f"learner.checkpoint.dir={root / ('ckpt_' + run)}", f"learner.trainer.run_name={run}", *overrides]
+    return subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=timeout)
+
+
+def _steps(root: Path, run: str) -> list[dict]:
+    return [r for r in read_jsonl(root / "runs" / run / "metrics.jsonl") if "actor/loss" in r]
+
+
+def test_staleness_never_exceeds_k_and_batches_run_ahead(stack):
+    root = stack["root"]
+    proc = _learner(stack, "k2")
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    steps = _steps(root, "k2")
+    assert [r["step"] for r in steps] == list(range(1, 7))
+    assert [r["weights/version"] for r in steps] == [float(i) for i in range(1, 7)]
+    k = 2
+    for r in steps:
+        # Trained at version step-1; every completion's first version (the version loaded when the sampler
+        # admitted it) is at most k behind.
+        assert r["staleness/trained_version"] == r["step"] - 1
+        assert r["staleness/trained_version"] - r["staleness/oldest_version"] <= k
+        assert 0 <= r["staleness/mean"] <= r["staleness/max"] <= k
+        assert r["staleness/dropped_groups"] == 0
+        assert r["reward/errors"] == 0
+    # The slow update let the samplers run ahead as far as allowed: from step 3 on, samples are k versions old.
+    assert max(r["staleness/max"] for r in steps) == k
+    assert all(r["staleness/mean"] > 0 for r in steps[k:])
+    # The off-policy correction saw the gap between behaviour and proximal policy.
+    assert all("actor/sampler_logp_diff" in r for r in steps)
+    # Validation ran on the current weights while batches were in flight.
+    vals = [r for r in read_jsonl(root / "runs" / "k2" / "metrics.jsonl") if "val/reward_mean" in r]
+    assert [r["step"] for r in vals] == [3, 6]
+    for svc in stack["samplers"]:
+        assert sampler_version(svc.address) == 6
+
+
+def test_stop_then_resume_continues_the_data_order_of_the_trained_batches(stack):
+    """Stop after step 2 (the batches of the next k steps in flight): the checkpoint's data position is after the
+    last trained batch, so the resumed run trains the following batches exactly as the uninterrupted run did."""
+    root = stack["root"]
+    control = fixed_port()
+
+    def stop_after_step_2() -> None:
+        with grpc.insecure_channel(f"127.0.0.1:{control}") as ch:
+            stub = learner_pb2_grpc.LearnerStub(ch)
+            deadline = time.monotonic() + 400
+            while time.monotonic() < deadline:
+                try:
+                    status = stub.Status(learner_pb2.StatusRequest(), timeout=5)
+                except grpc.RpcError:
+                    time.sleep(0.2)
+                    continue
+                if status.step >= 2:
+                    stub.Stop(learner_pb2.StopRequest(reason="test"), timeout=5)
+                    return
+                time.sleep(0.05)
+
+    watcher = threading.Thread(target=stop_after_step_2, daemon=True)
+    watcher.start()
+    proc = _learner(stack, "stopped", f"learner.trainer.control_port={control}", "learner.trainer.test_freq=0")
+    watcher.join(timeout=10)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    done = [r["step"] for r in _steps(root, "stopped")]
+    last = done[-1]
+    assert done == list(range(1, last + 1)) and 2 <= last < 6, done
+    assert (root / "ckpt_stopped" / f"step_{last}").is_dir()
+
+    resumed = _learner(stack, "resumed", f"learner.checkpoint.resume={root / 'ckpt_stopped' / f'step_{last}'}",
+                       "learner.trainer.test_freq=0")
+    assert resumed.returncode == 0, resumed.stderr[-6000:]
+    again = {r["step"]: r for r in _steps(root, "resumed")}
+    whole = {r["step"]: r for r in _steps(root, "k2")}
+    assert sorted(again) == list(range(last + 1, 7))
+    for step in again:
+        for key in ("prompt/length_mean", "data/epoch"):
+            assert again[step][key] == whole[step][key], (step, key)
+
+
+def test_replica_killed_mid_run_loses_and_duplicates_nothing(stack):
+    root = stack["root"]
+    victim = stack["samplers"][0]
+    cmd = [sys.executable, "-m", "dgrpo.cli", "learner", "--config", str(stack["config"]),
+           f"learner.checkpoint.dir={root / 'ckpt_kill'}", "learner.trainer.run_name=kill",
+           "learner.trainer.test_freq=0", "learner.rollout.retry_backoff_s=0.2", "learner.rollout.max_backoff_s=1"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    metrics = root / "runs" / "kill" / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not (metrics.is_file() and metrics.read_text().strip()) and time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stderr.read()[-6000:]
+        time.sleep(0.2)
+    victim.kill()  # batches ahead are in flight on both replicas
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-6000:]
+    steps = _steps(root, "kill")
+    assert [r["step"] for r in steps] == list(range(1, 7))
+    assert all(r["reward/errors"] == 0 and r["staleness/max"] <= 2 for r in steps)
+    assert sum(r.get("rollout/failed_calls", 0) for r in steps) >= 1
+    assert steps[-1]["rollout/groups_by_replica/r1"] == 2  # the survivor serves every group at the end
