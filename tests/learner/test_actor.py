@@ -201,6 +201,9 @@ def test_sampler_old_logprobs_and_tis(tiny_model):
     assert m["actor/ratio"] < 0.1  # exp(-10.8 + 7)
     m = make_actor(tiny_model, algorithm={"tis_cap": 2.0, "mask_truncated": True}).update(seqs, group_size=4)
     assert math.isfinite(m["actor/loss"])
+    # tis_cap alone is off_policy=tis: weights min(exp(-10.8 + 7), 2) ~ 0.02 (tests/learner/test_off_policy.py)
+    assert 0 < m["actor/is_weight_mean"] <= m["actor/is_weight_max"] < 0.1
+    assert "actor/off_policy_masked_frac" not in m
 
 
 def test_bf16_autocast_and_gradient_checkpointing(tiny_model):
