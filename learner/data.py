@@ -1,7 +1,10 @@
 """Prompt data for the learner: parquet / jsonl files -> tokenized prompts, shuffled per epoch, resumable.
 
 A row holds a prompt (plain text, or chat messages `[{role, content}, ...]`) in `data.prompt_key`; every other
-column travels untouched with the prompt to the reward functions (e.g. `answer`). The chat template is applied
+column travels untouched with the prompt to the reward functions (e.g. `answer`). The peers' files load unchanged:
+verl's RL parquet (`prompt` as chat messages, `data_source`, `ability`, `reward_model: {style, ground_truth}`,
+`extra_info`) and TRL's datasets (`prompt` as text or messages, or a `messages` conversation whose trailing
+assistant turn is left out of the prompt, plus answer / solution columns). The chat template is applied
 once, here, so samplers receive token ids and the learner trains on exactly the tokens that were sampled.
 Prompts longer than `max_prompt_length` are dropped or left-truncated, and counted either way.
 
@@ -34,7 +37,8 @@ class DataConfig(StrictConfig):
     val_files: list[str] = Field(default_factory=list)
     """Validation data, same format; scored greedily every `trainer.test_freq` steps (empty: no validation)."""
     prompt_key: str = "prompt"
-    """Column holding the prompt: a string, or chat messages (a list of {role, content})."""
+    """Column holding the prompt: a string, or chat messages (a list of {role, content}). With the default, a file
+    without a `prompt` column but with `messages` (a conversation) uses that, minus its trailing assistant turns."""
     apply_chat_template: bool = True
     """Render string prompts as one user turn with the model's chat template (chat messages always are)."""
     max_prompt_length: int = Field(default=512, ge=1)
@@ -84,7 +88,7 @@ def check_files(cfg: DataConfig, prefix: str = "learner.data", columns: dict[str
     """
     if not cfg.train_files:
         raise ConfigError(f"{prefix}.train_files is empty: give at least one .parquet or .jsonl file")
-    needed = {cfg.prompt_key: f"{prefix}.prompt_key", **(columns or {})}
+    needed = {col.split(".")[0]: asker for col, asker in (columns or {}).items()}  # `a.b`: a key of column `a`
     for key in ("train_files", "val_files"):
         files = getattr(cfg, key)
         formats = set()
@@ -99,7 +103,8 @@ def check_files(cfg: DataConfig, prefix: str = "learner.data", columns: dict[str
                 found = first_row_columns(path)
             except (OSError, ValueError, TypeError) as e:
                 raise ConfigError(f"{prefix}.{key}[{i}]={name!r}: cannot be read: {e}") from None
-            missing = [(col, asker) for col, asker in needed.items() if col not in found]
+            missing = [(col, asker) for col, asker in {prompt_column(cfg, found): f"{prefix}.prompt_key",
+                                                       **needed}.items() if col not in found]
             if missing:
                 col, asker = missing[0]
                 raise ConfigError(f"{prefix}.{key}[{i}]={name!r} has no column {col!r} ({asker}={col!r} names it); "
@@ -151,6 +156,18 @@ def first_row_columns(path: Path) -> list[str]:
     return list(row)
 
 
+FALLBACK_PROMPT_KEY = "messages"
+"""The column a conversational dataset without `prompt` holds its turns in (TRL's conversational format)."""
+
+
+def prompt_column(cfg: DataConfig, columns: list[str]) -> str:
+    """The column holding the prompt: `prompt_key`, or `messages` when prompt_key is the default and absent."""
+    default = DataConfig.model_fields["prompt_key"].default
+    if cfg.prompt_key not in columns and cfg.prompt_key == default and FALLBACK_PROMPT_KEY in columns:
+        return FALLBACK_PROMPT_KEY
+    return cfg.prompt_key
+
+
 def _non_json(value: Any) -> str | None:
     """Why `value` is not plain JSON (NaN / ±inf floats, other types), or None when it is.
 
@@ -193,7 +210,13 @@ def _file_of_row(files: list[str], row: int) -> str:
 
 def _as_messages(value: Any, row: int, key: str) -> list[dict[str, str]] | None:
     if isinstance(value, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in value):
-        return [{"role": str(m["role"]), "content": str(m["content"])} for m in value]
+        messages = [{"role": str(m["role"]), "content": str(m["content"])} for m in value]
+        if key == FALLBACK_PROMPT_KEY:  # a whole conversation: the model is to write its final assistant turn
+            while messages and messages[-1]["role"] == "assistant":
+                messages.pop()
+        if not messages:
+            raise ValueError(f"row {row}: column {key!r} holds no turn before the assistant's")
+        return messages
     if isinstance(value, str):
         return None
     raise ValueError(f"row {row}: column {key!r} is neither text nor chat messages [{{role, content}}]: {value!r}")
@@ -219,7 +242,8 @@ def load_prompts(
         return [], LoadStats()
     builder = FORMATS[Path(files[0]).suffix]
     ds = datasets.load_dataset(builder, data_files=[str(Path(f).expanduser()) for f in files], split="train")
-    if cfg.prompt_key not in ds.column_names:
+    prompt_key = prompt_column(cfg, ds.column_names)
+    if prompt_key not in ds.column_names:
         raise ConfigError(
             f"learner.data.prompt_key={cfg.prompt_key!r}: no such column in {files} (columns: {ds.column_names})"
         )
@@ -235,8 +259,8 @@ def load_prompts(
                     f"learner.data: {_file_of_row(files, row)}, row {row}, column {key!r}: {why} "
                     "(every column must hold JSON values: fix or drop the row)"
                 )
-        raw = example[cfg.prompt_key]
-        messages = _as_messages(raw, row, cfg.prompt_key)
+        raw = example[prompt_key]
+        messages = _as_messages(raw, row, prompt_key)
         prompt = messages if messages is not None else raw
         ids = tokenize_prompt(prompt, tokenizer, cfg.apply_chat_template)
         if len(ids) > cfg.max_prompt_length:
@@ -245,7 +269,7 @@ def load_prompts(
                 continue
             ids = ids[-cfg.max_prompt_length :]
             stats.truncated_overlong += 1
-        extra = {k: v for k, v in example.items() if k != cfg.prompt_key}
+        extra = {k: v for k, v in example.items() if k != prompt_key}
         records.append(PromptRecord(row=row, token_ids=tuple(ids), prompt=prompt, extra=extra))
     stats.kept = len(records)
     if stats.dropped_overlong or stats.truncated_overlong:

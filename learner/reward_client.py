@@ -39,9 +39,11 @@ class GroupReward:
     """Scores of one group's completions, in sample order."""
 
     rewards: list[float]
-    """Reward per completion; for a completion whose scoring failed, the mean of the group's valid rewards."""
+    """Reward per completion; for a completion without one (failed, or NO_REWARD), the mean of the group's valid
+    rewards."""
     valid: list[bool]
-    """False where the rewarder reported ERROR: such a completion is kept out of the loss."""
+    """False where the rewarder reported ERROR or NO_REWARD: such a completion is kept out of the group's baseline
+    and the policy gradient (advantage 0)."""
     breakdown: list[dict[str, float]]
     """Per-function values of each completion (a function that returned None is absent)."""
     spec: str
@@ -52,6 +54,10 @@ class GroupReward:
     """Messages of the failed completions."""
     retries: int = 0
     """Score calls retried for this group (rewarder away or restarting)."""
+    no_reward: list[bool] = field(default_factory=list)
+    """True where every reward function returned None (NO_REWARD): not valid, and not an error either."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """What the reward functions logged with `log_metric` for this group (mean per name)."""
 
 
 def to_struct(extra: dict[str, Any]) -> struct_pb2.Struct:
@@ -61,9 +67,12 @@ def to_struct(extra: dict[str, Any]) -> struct_pb2.Struct:
 
 
 def score_group(prompt_id: str, prompt: str | list[dict[str, str]], completions: Sequence[str],
-                extra: dict[str, Any]) -> rewarder_pb2.ScoreGroup:
-    """The ScoreGroup for one prompt: text prompts stay text, chat prompts go as messages (TRL's two formats)."""
+                extra: dict[str, Any], completion_ids: Sequence[Sequence[int]] | None = None) -> rewarder_pb2.ScoreGroup:
+    """The ScoreGroup for one prompt: text prompts stay text, chat prompts go as messages (TRL's two formats); the
+    completions' token ids when given (TRL's `completion_ids`)."""
     group = rewarder_pb2.ScoreGroup(prompt_id=prompt_id, completions=list(completions), extra=to_struct(extra))
+    for ids in completion_ids or []:
+        group.completion_ids.add(ids=ids)
     if isinstance(prompt, str):
         group.text = prompt
     else:
@@ -89,11 +98,14 @@ class RewardClient:
     async def info(self, timeout: float = 10.0) -> rewarder_pb2.RewarderInfo:
         return await self._stub.Info(rewarder_pb2.RewarderInfoRequest(), timeout=timeout, wait_for_ready=True)
 
-    async def score(self, group: rewarder_pb2.ScoreGroup) -> GroupReward:
-        """Score one group; retried until `timeout_s` while the rewarder is away."""
+    async def score(self, group: rewarder_pb2.ScoreGroup,
+                    trainer_state: rewarder_pb2.RewardTrainerState | None = None) -> GroupReward:
+        """Score one group; retried until `timeout_s` while the rewarder is away. `trainer_state` reaches the reward
+        functions as TRL's `trainer_state` (the step they shape rewards by)."""
         deadline = time.monotonic() + self.timeout_s
         backoff, retries = Backoff(self.retry_backoff_s, self.max_backoff_s), 0
-        request = rewarder_pb2.ScoreRequest(groups=[group], group_size=len(group.completions))
+        request = rewarder_pb2.ScoreRequest(groups=[group], group_size=len(group.completions),
+                                            trainer_state=trainer_state)
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -123,6 +135,7 @@ class RewardClient:
         if len(scores) != len(group.completions):
             raise RewardError(f"rewarder sent {len(scores)} scores for {len(group.completions)} completions")
         valid = [s.status == rewarder_pb2.SCORE_STATUS_OK and math.isfinite(s.reward) for s in scores]
+        no_reward = [s.status == rewarder_pb2.SCORE_STATUS_NO_REWARD for s in scores]
         good = [s.reward for s, ok in zip(scores, valid) if ok]
         # A failed completion takes the group mean: it then has advantage ~0 and, being masked, no effect on
         # the other completions' advantages beyond keeping the group size fixed.
@@ -133,8 +146,10 @@ class RewardClient:
             breakdown=[dict(s.breakdown) for s in scores],
             spec=_spec_name(response.spec),
             spec_version=response.spec.version,
-            errors=[s.message for s, ok in zip(scores, valid) if not ok],
+            errors=[s.message for s, ok, none in zip(scores, valid, no_reward) if not ok and not none],
             retries=retries,
+            no_reward=no_reward,
+            metrics=dict(response.groups[0].metrics),
         )
 
     async def close(self) -> None:

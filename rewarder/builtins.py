@@ -44,11 +44,18 @@ def reference_text(value) -> str | None:
 
 
 def _reference_column(kwargs: dict, field: str, n: int) -> list:
-    if field not in kwargs:
-        raise KeyError(f"extra column {field!r} is missing from the group (columns: {sorted(kwargs) or 'none'})")
-    column = kwargs[field]
+    """The reference of each completion: column `field`, or a key inside a column with a dotted `field` (verl's
+    `reward_model.ground_truth`)."""
+    head, *path = field.split(".") if field not in kwargs else [field]
+    if head not in kwargs:
+        raise KeyError(f"extra column {head!r} is missing from the group (columns: {sorted(kwargs) or 'none'})")
+    column = kwargs[head]
     if len(column) != n:
-        raise ValueError(f"column {field!r} has {len(column)} values for {n} completions")
+        raise ValueError(f"column {head!r} has {len(column)} values for {n} completions")
+    for key in path:
+        if not all(isinstance(v, dict) and key in v for v in column):
+            raise KeyError(f"column {head!r} does not hold {field!r} in every row")
+        column = [v[key] for v in column]
     return column
 
 

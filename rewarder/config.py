@@ -7,7 +7,7 @@ SIGHUP validate a new one with these same models, so a reloaded spec fails exact
 from __future__ import annotations
 
 import warnings
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -29,7 +29,8 @@ class MathVerifyFunction(_FunctionBase):
 
     type: Literal["math_verify"]
     field: str = "answer"
-    """Extra column holding the reference answer (LaTeX, an expression or a number)."""
+    """Extra column holding the reference answer (LaTeX, an expression or a number); a dotted name reads a key of a
+    column (`reward_model.ground_truth` in verl's datasets)."""
     answer_tag: bool = True
     """Look inside the last <answer>...</answer> of the completion first, if there is one."""
 
@@ -39,7 +40,7 @@ class ExactMatchFunction(_FunctionBase):
 
     type: Literal["exact_match"]
     field: str = "answer"
-    """Extra column holding the reference string."""
+    """Extra column holding the reference string (dotted: a key of a column, e.g. `reward_model.ground_truth`)."""
     normalize: bool = True
     """Compare after case folding, collapsing whitespace and dropping surrounding punctuation, `$` and `\\boxed{}`."""
     extract: Literal["full", "answer_tag", "last_line"] = "full"
@@ -97,15 +98,51 @@ class LengthAndReferenceFunction(_FunctionBase):
     """Extra column holding the reference answer."""
 
 
+MODULE_PATTERN = r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*(:[A-Za-z_]\w*)?$"
+"""`package.module` or `package.module:function`: an import path, never a file path."""
+
+
 class FileFunction(_FunctionBase):
-    """A user function from a Python file, TRL's signature: `fn(prompts, completions, **kwargs) -> list[float | None]`
-    (plain or async def); kwargs carry the extra columns, one value per completion (verl's custom_reward_function)."""
+    """A user function from a Python file or an importable module (plain or async def), called the way TRL calls it
+    (`fn(prompts, completions, completion_ids, trainer_state, log_extra, log_metric, **columns)`) or the way verl
+    calls a `custom_reward_function` (`compute_score(data_source, solution_str, ground_truth, extra_info)`, once per
+    completion). `type: python` is verl's spelling of the same entry: `name` there names the function."""
 
     type: Literal["file"]
-    path: str = Field(min_length=1)
-    """Python file defining the function (relative paths are resolved against the working directory)."""
+    path: str | None = Field(default=None, min_length=1)
+    """Python file defining the function (relative paths are resolved against the working directory). A file inside
+    a package (folders with __init__.py) is imported as part of it, so its relative imports work."""
+    module: str | None = Field(default=None, pattern=MODULE_PATTERN, max_length=256)
+    """Instead of `path`: an importable module, `package.module` or `package.module:function` (e.g.
+    `trl.rewards:think_format_reward`); it must be allowed by rewarder.allowed_modules."""
     function: str = Field(default="reward_func", min_length=1)
-    """Name of the function in that file."""
+    """Name of the function in that file or module."""
+    convention: Literal["auto", "trl", "verl"] = "auto"
+    """How it is called: trl (one call per group, TRL's keywords), verl (one call per completion with verl's
+    arguments), or auto: verl when the function has a `solution_str` parameter, else trl."""
+    reward_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Extra keyword arguments for every call (verl's custom_reward_function.reward_kwargs)."""
+
+    @model_validator(mode="after")
+    def _one_source(self) -> FileFunction:
+        if (self.path is None) == (self.module is None):
+            raise ValueError("give exactly one of `path` (a Python file) and `module` (an import path)")
+        if self.module and ":" in self.module:
+            module, function = self.module.split(":")
+            if "function" in self.model_fields_set and self.function != function:
+                raise ValueError(f"module {self.module!r} names function {function!r} but `function` is "
+                                 f"{self.function!r}")
+            self.module, self.function = module, function
+        return self
+
+    @property
+    def source(self) -> str:
+        """`/abs/file.py:function` or `module:function` (Info's source, logs)."""
+        if self.module:
+            return f"{self.module}:{self.function}"
+        from pathlib import Path
+
+        return f"{Path(self.path).expanduser().resolve()}:{self.function}"
 
 
 class ModelFunction(_FunctionBase):
@@ -131,6 +168,15 @@ class ModelFunction(_FunctionBase):
 RENAMED_TYPES = {"seed_rule": "length_and_reference"}
 """Deprecated reward function type -> its current name."""
 
+
+def _from_verl_spelling(f: dict) -> dict:
+    """`{type: python, path, name}` (verl's custom_reward_function: `name` is the function, default compute_score)
+    -> a `file` entry whose function and breakdown name are `name`; with `function` also given, `name` is the label."""
+    f = {k: v for k, v in f.items() if k != "type"}
+    if "function" not in f:
+        f["function"] = f.get("name") or "compute_score"
+    return {"type": "file", **f}
+
 RewardFunctionConfig = Annotated[
     MathVerifyFunction | ExactMatchFunction | RegexFormatFunction | LengthFunction | LengthAndReferenceFunction
     | FileFunction | ModelFunction,
@@ -147,7 +193,8 @@ class RewardSpec(StrictConfig):
         default_factory=lambda: [MathVerifyFunction(type="math_verify")], min_length=1
     )
     """Reward functions; each entry has a `type`: math_verify, exact_match, regex_format, length,
-    length_and_reference, file or model, plus name / weight / timeout_s and the type's options (docs/rewarder.md)."""
+    length_and_reference, file (or python: verl's spelling) or model, plus name / weight / timeout_s and the type's
+    options (docs/rewarder.md)."""
 
     @field_validator("functions", mode="before")
     @classmethod
@@ -158,7 +205,9 @@ class RewardSpec(StrictConfig):
         out = []
         for f in functions:
             old = f.get("type") if isinstance(f, dict) else None
-            if old in RENAMED_TYPES:
+            if old == "python":
+                f = _from_verl_spelling(f)
+            elif old in RENAMED_TYPES:
                 new = RENAMED_TYPES[old]
                 # FutureWarning, not DeprecationWarning: Python hides the latter outside __main__, and the user
                 # who wrote the spec is the one to tell.
@@ -209,6 +258,11 @@ class RewarderConfig(StrictConfig):
     symlinks and `..`, for every spec: at start, on SIGHUP and on Reload (a client may not pick files elsewhere).
     Unset: the folder of spec_file, or for an inline spec the folders of the files and models it names itself
     (none when it names none: then a Reload may use built-ins only). []: built-ins only."""
+    allowed_modules: list[Annotated[str, Field(pattern=r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")]] | None = None
+    """Modules whose functions a spec may name by import path (`module:`), for every spec: at start, on SIGHUP and
+    on Reload; a name allows its submodules (`trl` allows `trl.rewards`). Importing a module runs its code, and
+    a function such as `os:system` is a shell, so a client may not pick them. Unset: the modules the spec at start
+    names itself (spec_file or the inline spec). []: none."""
     workers: int = Field(default=2, ge=1, le=256)
     """Worker processes running the reward functions (user code never runs in the server process)."""
     call_timeout_s: float = Field(default=60.0, gt=0, le=3600)

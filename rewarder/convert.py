@@ -50,8 +50,17 @@ def groups_from_proto(request: pb.ScoreRequest) -> list[GroupInput]:
         else:
             prompt = g.text
         extra = _from_struct(g.extra, f"groups[{i}].extra") if g.HasField("extra") else {}
-        groups.append(GroupInput(g.prompt_id, prompt, list(g.completions), extra))
+        ids = [list(c.ids) for c in g.completion_ids] if len(g.completion_ids) else None
+        groups.append(GroupInput(g.prompt_id, prompt, list(g.completions), extra, ids))
     return groups
+
+
+def trainer_state_from_proto(request: pb.ScoreRequest) -> dict | None:
+    """TRL's trainer_state fields, or None when the client sent none (functions then see step 0)."""
+    if not request.HasField("trainer_state"):
+        return None
+    s = request.trainer_state
+    return {"global_step": s.global_step, "max_steps": s.max_steps, "epoch": s.epoch}
 
 
 def groups_to_proto(groups: list[GroupInput], group_size: int = 0) -> pb.ScoreRequest:
@@ -66,6 +75,8 @@ def groups_to_proto(groups: list[GroupInput], group_size: int = 0) -> pb.ScoreRe
             msg.chat.messages.extend(pb.RewardChatMessage(role=m["role"], content=m["content"]) for m in g.prompt)
         if g.extra:
             msg.extra.update(g.extra)
+        for ids in g.completion_ids or []:
+            msg.completion_ids.add(ids=ids)
     return request
 
 
@@ -77,15 +88,12 @@ def spec_ref_to_proto(ref: SpecRef | None) -> pb.RewardSpecRef:
 
 def score_response(result: ScoreResult, prompt_ids: list[str]) -> pb.ScoreResponse:
     response = pb.ScoreResponse(spec=spec_ref_to_proto(result.spec))
-    for prompt_id, scores in zip(prompt_ids, result.groups):
-        group = response.groups.add(prompt_id=prompt_id)
+    group_metrics = result.metrics or [{} for _ in result.groups]
+    for prompt_id, scores, logged in zip(prompt_ids, result.groups, group_metrics):
+        group = response.groups.add(prompt_id=prompt_id, metrics=logged)
         for s in scores:
-            group.scores.add(
-                reward=s.reward,
-                breakdown=s.breakdown,
-                status=pb.SCORE_STATUS_OK if s.ok else pb.SCORE_STATUS_ERROR,
-                message=s.message,
-            )
+            status = pb.SCORE_STATUS_NO_REWARD if s.no_reward else pb.SCORE_STATUS_OK if s.ok else pb.SCORE_STATUS_ERROR
+            group.scores.add(reward=s.reward, breakdown=s.breakdown, status=status, message=s.message)
     return response
 
 

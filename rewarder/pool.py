@@ -146,11 +146,13 @@ class WorkerPool:
             self._all.add(w)
             self._idle.put_nowait(w)
 
-    async def call(self, index: int, prompts: list, completions: list, kwargs: dict, timeout: float) -> list:
-        """Run function `index` on one worker; the checked values, or CallFailed with the reason."""
+    async def call(self, index: int, prompts: list, completions: list, kwargs: dict, timeout: float,
+                   state: dict | None = None):
+        """Run function `index` on one worker; the checked values (a calling.Scored), or CallFailed with the reason.
+        `state`: TRL's trainer_state fields."""
         loop = asyncio.get_running_loop()
         worker = await self._idle.get()
-        msg = ("call", index, prompts, completions, kwargs)
+        msg = ("call", index, prompts, completions, kwargs, state)
         future = loop.run_in_executor(self._executor, worker.call, msg, timeout)
         try:
             kind, payload = await asyncio.shield(future)

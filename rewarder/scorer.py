@@ -19,10 +19,13 @@ from dgrpo.rewarder import metrics
 from dgrpo.rewarder.config import RewarderConfig, RewardSpec
 from dgrpo.rewarder.pool import CallFailed, WorkerPool
 from dgrpo.rewarder.spec import (
+    SpecError,
     SpecRef,
     SpecSnapshot,
     allowed_dirs,
+    allowed_modules,
     bounded,
+    check_modules,
     check_paths,
     check_weights,
     parse_spec_text,
@@ -32,8 +35,8 @@ from dgrpo.rewarder.spec import (
 
 log = logging.getLogger("dgrpo.rewarder")
 
-# Keys a group's extra columns may not use: they are the reward functions' positional arguments.
-RESERVED_COLUMNS = ("prompts", "completions")
+# Keys a group's extra columns may not use: they are the reward functions' own arguments (TRL's keywords).
+RESERVED_COLUMNS = ("prompts", "completions", "trainer_state", "log_extra", "log_metric")
 # TRL drops these dataset columns before calling reward functions; so do we.
 TRL_DROPPED_COLUMNS = ("prompt", "completion", "completion_ids")
 
@@ -62,6 +65,7 @@ class GroupInput:
     prompt: str | list[dict]  # text, or chat messages [{"role", "content"}]
     completions: list[str]
     extra: dict = field(default_factory=dict)
+    completion_ids: list[list[int]] | None = None  # token ids per completion (TRL's completion_ids), if sent
 
 
 @dataclass
@@ -70,12 +74,14 @@ class CompletionScore:
     breakdown: dict[str, float]
     ok: bool
     message: str = ""
+    no_reward: bool = False  # every function returned None: no reward at all (TRL's all-NaN row)
 
 
 @dataclass
 class ScoreResult:
     groups: list[list[CompletionScore]]
     spec: SpecRef
+    metrics: list[dict[str, float]] = field(default_factory=list)  # per group: log_metric means
 
 
 @dataclass
@@ -98,6 +104,7 @@ class Scorer:
     def __init__(self, config: RewarderConfig):
         self.config = config
         self.allowed_dirs = allowed_dirs(config)  # fixed at start: the folders every spec's files must lie in
+        self.allowed_modules = allowed_modules(config, self._spec_at_start())  # and the modules it may import
         self._active: _Generation | None = None
         self._reload_lock = asyncio.Lock()
         self._versions = 0
@@ -108,6 +115,12 @@ class Scorer:
     def configured_spec(self) -> RewardSpec:
         """The spec the configuration names: spec_file (re-read each time) or the inline spec."""
         return read_spec_file(self.config.spec_file) if self.config.spec_file else self.config.spec
+
+    def _spec_at_start(self) -> RewardSpec | None:
+        try:
+            return self.configured_spec()
+        except SpecError:  # start() reports it
+            return None
 
     async def start(self) -> SpecRef:
         """Load the configured spec (SpecError if it does not load)."""
@@ -121,8 +134,9 @@ class Scorer:
         async with self._reload_lock:
             spec = parse_spec_text(spec_text) if spec_text else self.configured_spec()
             check_paths(spec, self.allowed_dirs)
+            check_modules(spec, self.allowed_modules)
             check_weights(spec)
-            snap = snapshot(spec)
+            snap = snapshot(spec, self.allowed_dirs)
             old = self._active
             if old is not None and old.snap.content_hash == snap.content_hash:
                 return old.ref, old.ref, False
@@ -201,6 +215,9 @@ class Scorer:
                 raise RequestError(f"{label} has no completions")
             if group_size and len(g.completions) != group_size:
                 raise RequestError(f"{label} has {len(g.completions)} completions, group_size is {group_size}")
+            if g.completion_ids is not None and len(g.completion_ids) != len(g.completions):
+                raise RequestError(f"{label} has {len(g.completion_ids)} completion_ids entries for "
+                                   f"{len(g.completions)} completions")
             reserved = [k for k in g.extra if k in RESERVED_COLUMNS]
             if reserved:
                 raise RequestError(f"{label}: extra column {reserved[0]!r} clashes with the reward function argument")
@@ -213,7 +230,9 @@ class Scorer:
             raise RequestError(f"{chars} characters of prompts and completions in one request; the limit is "
                                f"rewarder.max_request_chars={self.config.max_request_chars}")
 
-    async def score(self, groups: list[GroupInput], group_size: int = 0) -> ScoreResult:
+    async def score(self, groups: list[GroupInput], group_size: int = 0,
+                    trainer_state: dict | None = None) -> ScoreResult:
+        """`trainer_state`: TRL's trainer_state fields (global_step, max_steps, epoch) for the user functions."""
         self.validate(groups, group_size)
         gen = self._active
         if gen is None or self._closing:
@@ -221,7 +240,7 @@ class Scorer:
         gen.in_flight += 1
         started = time.monotonic()
         try:
-            result = await self._score_on(gen, groups)
+            result = await self._score_on(gen, groups, trainer_state)
         finally:
             gen.in_flight -= 1
             if gen.retired and gen.in_flight == 0:
@@ -237,19 +256,25 @@ class Scorer:
         n = min(self.config.workers, len(groups))
         return [list(range(len(groups)))[k::n] for k in range(n)]
 
-    async def _score_on(self, gen: _Generation, groups: list[GroupInput]) -> ScoreResult:
+    async def _score_on(self, gen: _Generation, groups: list[GroupInput], state: dict | None) -> ScoreResult:
         infos = gen.snap.functions()
-        # values[f][g][c]: float | None | str (error message)
+        # values[f][g][c]: float | None | str (error message); extras[f][g][c]: the call's other numbers
         values: list[list[list]] = [[[None] * len(g.completions) for g in groups] for _ in infos]
+        extras: list[list[list[dict]]] = [[[{}] * len(g.completions) for g in groups] for _ in infos]
+        logged: list[dict[str, list[float]]] = [{} for _ in groups]  # log_metric values per group
         calls = []
         for f, (info, cfg) in enumerate(zip(infos, gen.snap.spec.functions)):
             timeout = cfg.timeout_s or self.config.call_timeout_s
             for chunk in self._chunks(info.kind, groups):
-                calls.append(self._call(gen, f, info.name, chunk, groups, values, timeout))
+                calls.append(self._call(gen, f, info.name, chunk, groups, (values, extras, logged), timeout, state))
         await asyncio.gather(*calls)
-        return self._combine(gen, infos, groups, values)
+        result = self._combine(gen, infos, groups, values, extras)
+        result.metrics = [{k: sum(v) / len(v) for k, v in m.items()} for m in logged]
+        return result
 
-    async def _call(self, gen, f: int, name: str, chunk: list[int], groups, values, timeout: float) -> None:
+    async def _call(self, gen, f: int, name: str, chunk: list[int], groups, out, timeout: float,
+                    state: dict | None) -> None:
+        values, extras, logged = out
         prompts, completions, kwargs = [], [], {}
         columns = sorted({k for i in chunk for k in groups[i].extra if k not in TRL_DROPPED_COLUMNS})
         for i in chunk:
@@ -261,29 +286,37 @@ class Scorer:
                 completions += list(g.completions)
             for k in columns:
                 kwargs.setdefault(k, []).extend([g.extra.get(k)] * len(g.completions))
+        if all(groups[i].completion_ids is not None for i in chunk):
+            kwargs["completion_ids"] = [list(ids) for i in chunk for ids in groups[i].completion_ids]
         started = time.monotonic()
+        flat_extras: list[dict] = [{}] * len(completions)
         try:
-            flat = await gen.pool.call(f, prompts, completions, kwargs, timeout)
+            scored = await gen.pool.call(f, prompts, completions, kwargs, timeout, state)
         except CallFailed as e:
             flat = [f"reward function {name!r} {e}"] * len(completions)
             metrics.FUNCTION_ERRORS.labels(name).inc(len(completions))
         else:
-            flat = [f"reward function {name!r} {v}" if isinstance(v, str) else v for v in flat]
+            flat = [f"reward function {name!r} {v}" if isinstance(v, str) else v for v in scored.values]
+            flat_extras = scored.extras
             metrics.FUNCTION_ERRORS.labels(name).inc(sum(isinstance(v, str) for v in flat))
+            for i in chunk:  # user functions are called one group at a time: the call's metrics are the group's
+                for key, vs in scored.metrics.items():
+                    logged[i].setdefault(key, []).extend(vs)
         metrics.FUNCTION_SECONDS.labels(name).observe(time.monotonic() - started)
         pos = 0
         for i in chunk:
             n = len(groups[i].completions)
             values[f][i] = flat[pos:pos + n]
+            extras[f][i] = flat_extras[pos:pos + n]
             pos += n
 
-    def _combine(self, gen: _Generation, infos, groups, values) -> ScoreResult:
+    def _combine(self, gen: _Generation, infos, groups, values, extras) -> ScoreResult:
         policy = self.config.on_error
         out: list[list[CompletionScore]] = []
         for gi, g in enumerate(groups):
             scores = []
             for ci in range(len(g.completions)):
-                reward, breakdown, errors = 0.0, {}, []
+                reward, breakdown, errors, applied = 0.0, {}, [], False
                 for fi, info in enumerate(infos):
                     v = values[fi][gi][ci]
                     if isinstance(v, str):
@@ -291,6 +324,9 @@ class Scorer:
                     elif v is not None:
                         breakdown[info.name] = v
                         reward += info.weight * v
+                        applied = True
+                    for key, x in extras[fi][gi][ci].items():  # reported, never summed into the reward
+                        breakdown[f"{info.name}/{key}"] = x
                 if not math.isfinite(reward):  # finite weights and values can still overflow (1e308 + 1e308)
                     reward = 0.0
                     errors.append(f"the weighted sum of {breakdown} overflows")
@@ -298,7 +334,9 @@ class Scorer:
                     raise ScoringFailed(f"prompt_id {g.prompt_id!r} completion {ci}: {errors[0]}")
                 ok = not errors or policy == "zero"
                 message = "; ".join(errors)
-                scores.append(CompletionScore(reward if ok else 0.0, breakdown, ok, message))
-                metrics.COMPLETIONS.labels("ok" if ok else "error").inc()
+                # Every function returned None (TRL: an all-NaN row): no reward, so no baseline share and no loss.
+                no_reward = ok and not applied and not errors
+                scores.append(CompletionScore(reward if ok else 0.0, breakdown, ok, message, no_reward))
+                metrics.COMPLETIONS.labels("no_reward" if no_reward else "ok" if ok else "error").inc()
             out.append(scores)
         return ScoreResult(out, gen.ref)

@@ -34,7 +34,8 @@ class RewarderServicer(rewarder_pb2_grpc.RewarderServicer):
 
     async def Score(self, request: pb.ScoreRequest, context: grpc.aio.ServicerContext) -> pb.ScoreResponse:
         try:
-            result = await self.scorer.score(convert.groups_from_proto(request), request.group_size)
+            result = await self.scorer.score(convert.groups_from_proto(request), request.group_size,
+                                             convert.trainer_state_from_proto(request))
         except RequestError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except ScoringFailed as e:

@@ -77,12 +77,15 @@ class SpecSnapshot:
     spec: RewardSpec
     sources: dict[str, str] = field(default_factory=dict)  # absolute path -> file text
     content_hash: str = ""
+    packages: dict[str, tuple[str, str]] = field(default_factory=dict)
+    """absolute path of a reward file inside a package -> (the folder to import the package from, the file's dotted
+    module name): the worker imports it as part of its package, so relative imports work."""
 
     def functions(self) -> list[FunctionInfo]:
         out = []
         for f in self.spec.functions:
             if isinstance(f, FileFunction):
-                source = f"{_abspath(f.path)}:{f.function}"
+                source = f.source
             elif isinstance(f, ModelFunction):
                 source = _abspath(f.path)
             else:
@@ -143,11 +146,36 @@ def allowed_dirs(config: RewarderConfig) -> list[Path]:
         return [Path(config.spec_file).expanduser().absolute().parent.resolve()]
     folders = []
     for f in config.spec.functions:
-        if isinstance(f, FileFunction):
+        if isinstance(f, FileFunction) and f.path:
             folders.append(Path(_abspath(f.path)).parent)
         elif isinstance(f, ModelFunction):
             folders.append(Path(_abspath(f.path)))
     return sorted(set(folders))
+
+
+def spec_modules(spec: RewardSpec) -> list[str]:
+    """The modules a spec names by import path (`module:`)."""
+    return sorted({f.module for f in spec.functions if isinstance(f, FileFunction) and f.module})
+
+
+def allowed_modules(config: RewarderConfig, configured: RewardSpec | None) -> list[str]:
+    """The modules every spec may import functions from (rewarder.allowed_modules says why): computed once at start
+    from the configuration, or from the spec loaded at start (`configured`), so a Reload cannot add one."""
+    if config.allowed_modules is not None:
+        return sorted(set(config.allowed_modules))
+    return spec_modules(configured) if configured is not None else []
+
+
+def check_modules(spec: RewardSpec, allowed: list[str]) -> None:
+    """SpecError unless every `module:` entry is one of `allowed` or a submodule of one. Checked before anything
+    is imported (importing runs the module's code)."""
+    for i, f in enumerate(spec.functions):
+        module = f.module if isinstance(f, FileFunction) else None
+        if module and not any(module == a or module.startswith(a + ".") for a in allowed):
+            raise SpecError(
+                f"reward function {function_name(f)!r}: functions[{i}].module {module!r} is not a module reward "
+                f"functions may be imported from (rewarder.allowed_modules: {', '.join(allowed) or 'none'})"
+            )
 
 
 def check_paths(spec: RewardSpec, allowed: list[Path]) -> None:
@@ -155,7 +183,7 @@ def check_paths(spec: RewardSpec, allowed: list[Path]) -> None:
 
     Checked before anything is opened, so a refused path also tells nothing about whether it exists."""
     for i, f in enumerate(spec.functions):
-        if not isinstance(f, (FileFunction, ModelFunction)):
+        if not isinstance(f, (FileFunction, ModelFunction)) or f.path is None:
             continue
         resolved = Path(_abspath(f.path))
         if not any(resolved.is_relative_to(d) for d in allowed):
@@ -182,12 +210,49 @@ def _model_identity(folder: Path) -> bytes:
     return b"\n".join(parts)
 
 
-def snapshot(spec: RewardSpec) -> SpecSnapshot:
-    """Read every user file and model identity the spec names; SpecError when one is missing."""
+def _package_of(path: Path, allowed: list[Path] | None) -> tuple[str, str] | None:
+    """(import folder, dotted name) of a file inside a package: its folder and those above holding __init__.py, up to
+    the allowed folder that holds it (code above it is not imported). None for a file outside any package."""
+    parts, folder = [path.stem], path.parent
+    while (folder / "__init__.py").is_file() and folder.name.isidentifier():
+        if allowed is not None and not any(folder.is_relative_to(d) for d in allowed):
+            break
+        parts.insert(0, folder.name)
+        folder = folder.parent
+    return (str(folder), ".".join(parts)) if len(parts) > 1 else None
+
+
+def _module_source(name: str) -> bytes | None:
+    """The source of module `name`, located without importing it or its parents (importing runs code in the
+    server): PathFinder walks the packages' folders. None when it cannot be found this way (a C extension, a
+    zip import, a module created at runtime); the spec's hash then holds the name only."""
+    from importlib.machinery import PathFinder
+
+    search = None
+    found = None
+    for i, _ in enumerate(name.split(".")):
+        found = PathFinder.find_spec(".".join(name.split(".")[: i + 1]), search)
+        if found is None:
+            return None
+        search = found.submodule_search_locations
+    if found is None or not found.origin or not found.origin.endswith(".py"):
+        return None
+    try:
+        return Path(found.origin).read_bytes()
+    except OSError:
+        return None
+
+
+def snapshot(spec: RewardSpec, allowed: list[Path] | None = None) -> SpecSnapshot:
+    """Read every user file and model identity the spec names; SpecError when one is missing. `allowed` (the
+    rewarder's allowed folders) bounds how far up a reward file's package is taken."""
     digest = hashlib.sha256(json.dumps(spec.model_dump(mode="json"), sort_keys=True).encode())
     sources: dict[str, str] = {}
+    packages: dict[str, tuple[str, str]] = {}
     for f in spec.functions:
-        if isinstance(f, FileFunction):
+        if isinstance(f, FileFunction) and f.module:
+            digest.update(f"\nmodule {f.module}\n".encode() + (_module_source(f.module) or b""))
+        elif isinstance(f, FileFunction):
             path = Path(_abspath(f.path))
             if not path.is_file():
                 raise SpecError(f"reward function {function_name(f)!r}: reward file {f.path!r} does not exist")
@@ -198,6 +263,9 @@ def snapshot(spec: RewardSpec) -> SpecSnapshot:
             except UnicodeDecodeError:
                 raise SpecError(f"reward function {function_name(f)!r}: {f.path!r} is not UTF-8 text") from None
             digest.update(f"\nfile {path}\n".encode() + sources[str(path)].encode())
+            package = _package_of(path, allowed)
+            if package:
+                packages[str(path)] = package
         elif isinstance(f, ModelFunction):
             folder = Path(_abspath(f.path))
             if not (folder / "config.json").is_file():
@@ -206,24 +274,31 @@ def snapshot(spec: RewardSpec) -> SpecSnapshot:
                     "(no config.json there)"
                 )
             digest.update(f"\nmodel {folder}\n".encode() + _model_identity(folder))
-    return SpecSnapshot(spec=spec, sources=sources, content_hash=digest.hexdigest())
+    return SpecSnapshot(spec=spec, sources=sources, content_hash=digest.hexdigest(), packages=packages)
 
 
 # ---- worker side: build callables from a snapshot ----
 
 
 def _load_user_function(f: FileFunction, snap: SpecSnapshot):
+    if f.module:
+        return _load_module_function(f)
     path = _abspath(f.path)
     source = snap.sources[path]
     label = f"reward function {function_name(f)!r}: reward file {f.path!r}"
-    module_name = f"dgrpo_user_reward_{snap.content_hash[:12]}_{Path(path).stem}"
+    package = snap.packages.get(path)
+    module_name = package[1] if package else f"dgrpo_user_reward_{snap.content_hash[:12]}_{Path(path).stem}"
     module = sys.modules.get(module_name)
     if module is None:
         module = types.ModuleType(module_name)
         module.__file__ = path
-        # Helpers next to the file import like they do under TRL or verl.
-        if str(Path(path).parent) not in sys.path:
-            sys.path.insert(0, str(Path(path).parent))
+        # Helpers next to the file import like they do under TRL or verl; a file in a package imports as part of it
+        # (its package from disk, the file itself from the snapshot), so `from .utils import x` works.
+        folder = package[0] if package else str(Path(path).parent)
+        if package:
+            module.__package__ = module_name.rpartition(".")[0]
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
         sys.modules[module_name] = module
         try:
             # Running the user's reward file is the point (in a worker process, never in the server).
@@ -231,6 +306,27 @@ def _load_user_function(f: FileFunction, snap: SpecSnapshot):
         except BaseException as e:  # noqa: BLE001 - user code: any failure is a load error, SystemExit included
             del sys.modules[module_name]
             raise SpecError(f"{label} does not import: {import_failure(e, path)}") from None
+    return _function_of(module, f, label)
+
+
+def _load_module_function(f: FileFunction):
+    """A function of an installed (importable) module; the name was checked against rewarder.allowed_modules."""
+    import importlib
+
+    label = f"reward function {function_name(f)!r}: module {f.module!r}"
+    try:
+        module = importlib.import_module(f.module)
+    except ModuleNotFoundError as e:
+        raise SpecError(f"{label} cannot be imported: no module named {e.name!r} in the rewarder's environment") \
+            from None
+    except BaseException as e:  # noqa: BLE001 - its code failed while importing: type and line only, as for files
+        frames = traceback.extract_tb(e.__traceback__)
+        origin = e.filename if isinstance(e, SyntaxError) else (frames[-1].filename if frames else "")
+        raise SpecError(f"{label} does not import: {import_failure(e, origin)}") from None
+    return _function_of(module, f, label)
+
+
+def _function_of(module, f: FileFunction, label: str):
     fn = getattr(module, f.function, None)
     if fn is None:
         defined = sorted(n for n, v in vars(module).items() if inspect.isfunction(v) and not n.startswith("_"))
@@ -259,7 +355,9 @@ def build_functions(snap: SpecSnapshot) -> list:
     fns = []
     for f in snap.spec.functions:
         if isinstance(f, FileFunction):
-            fns.append(_load_user_function(f, snap))
+            from dgrpo.rewarder.calling import user_function
+
+            fns.append(user_function(_load_user_function(f, snap), f.convention, f.reward_kwargs))
         elif isinstance(f, ModelFunction):
             from dgrpo.rewarder.reward_model import RewardModel
 

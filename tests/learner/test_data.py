@@ -171,3 +171,94 @@ def test_non_json_values_are_refused_at_load(tmp_path, tokenizer):
     pq.write_table(pa.table({"prompt": ["p0"], "blob": [b"\x00\x01"]}), path)
     with pytest.raises(ConfigError, match=r"raw\.parquet, row 0, column 'blob': bytes is not a JSON type"):
         load_prompts([path], DataConfig(train_files=[path]), tokenizer)
+
+
+# ---- the peers' dataset files, written in exactly their schemas ----
+
+
+def verl_gsm8k_rows() -> list[dict]:
+    """Rows as verl's examples/data_preprocess/gsm8k.py writes them (its make_map_fn)."""
+    return [{
+        "data_source": "openai/gsm8k",
+        "prompt": [{"role": "user", "content": f"What is {i} + {i}? Let's think step by step and output the final "
+                    "answer after \"####\"."}],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": str(2 * i)},
+        "extra_info": {"split": "train", "index": i, "answer": f"{i} + {i} = {2 * i}\n#### {2 * i}",
+                       "question": f"What is {i} + {i}?"},
+    } for i in range(3)]
+
+
+def test_verl_rl_parquet_loads_unchanged(tmp_path, tokenizer):
+    """verl's RL parquet (pyarrow, nested structs and a list of structs) -> chat prompts and verl's columns."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = verl_gsm8k_rows()
+    path = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    cfg = DataConfig(train_files=[str(path)])
+    check_files(cfg, columns={"reward_model.ground_truth": "rewarder.spec.functions[0].field"})
+    records, _ = load_prompts([str(path)], cfg, tokenizer)
+    assert records[1].prompt == rows[1]["prompt"]
+    assert records[1].extra == {k: v for k, v in rows[1].items() if k != "prompt"}
+    assert records[1].extra["reward_model"]["ground_truth"] == "2" and records[1].extra["extra_info"]["index"] == 1
+    expected = tokenizer.apply_chat_template(rows[1]["prompt"], add_generation_prompt=True, tokenize=False)
+    assert tokenizer.decode(records[1].token_ids) == expected
+    with pytest.raises(ConfigError, match="has no column 'answer'"):  # a dotted field needs its first part
+        check_files(cfg, columns={"answer.x": "rewarder.spec.functions[0].field"})
+
+
+def test_verl_parquet_rows_score_with_verl_and_dotted_fields(tmp_path, tokenizer):
+    """A verl row's columns are what verl's compute_score and a dotted built-in field read."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from dgrpo.rewarder.builtins import build_builtin
+    from dgrpo.rewarder.calling import call_function, user_function
+    from dgrpo.rewarder.config import ExactMatchFunction
+
+    path = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist(verl_gsm8k_rows()), path)
+    rec = load_prompts([str(path)], DataConfig(train_files=[str(path)]), tokenizer)[0][2]
+    columns = {k: [v, v] for k, v in rec.extra.items()}  # one value per completion, as the rewarder passes them
+    match = build_builtin(ExactMatchFunction(type="exact_match", field="reward_model.ground_truth",
+                                             extract="last_line"))
+    assert match([rec.prompt] * 2, ["so\n4", "so\n5"], **columns) == [1.0, 0.0]
+
+    def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+        return {"score": float(solution_str.endswith(ground_truth)), "index": extra_info["index"],
+                "gsm8k": data_source == "openai/gsm8k"}
+
+    kind, scored = call_function(user_function(compute_score, "auto", {}), [rec.prompt] * 2,
+                                 [[{"role": "assistant", "content": "#### 4"}], [{"role": "assistant", "content": "3"}]],
+                                 columns)
+    assert kind == "ok" and scored.values == [1.0, 0.0] and scored.extras[0] == {"index": 2.0, "gsm8k": 1.0}
+
+
+def test_trl_datasets_load_unchanged(tmp_path, tokenizer):
+    """TRL's formats: standard (`prompt` text + `solution`, jsonl), conversational (`prompt` messages, parquet via
+    `datasets`), and a `messages` conversation whose final assistant turn is the answer."""
+    import datasets
+
+    standard = write_jsonl(tmp_path / "std.jsonl", [{"prompt": "1+1=", "solution": "2"},
+                                                    {"prompt": "2+2=", "solution": "4"}])
+    records, _ = load_prompts([standard], DataConfig(train_files=[standard]), tokenizer)
+    assert records[0].prompt == "1+1=" and records[0].extra == {"solution": "2"}
+
+    chat = [{"prompt": [{"role": "system", "content": "Answer."}, {"role": "user", "content": "3+3?"}],
+             "answer": "6"}]
+    conversational = str(tmp_path / "conv.parquet")
+    datasets.Dataset.from_list(chat).to_parquet(conversational)
+    records, _ = load_prompts([conversational], DataConfig(train_files=[conversational]), tokenizer)
+    assert records[0].prompt == chat[0]["prompt"] and records[0].extra == {"answer": "6"}
+
+    turns = [{"role": "user", "content": "4+4?"}, {"role": "assistant", "content": "8"}]
+    messages = write_jsonl(tmp_path / "msgs.jsonl", [{"messages": turns, "solution": "8"}])
+    cfg = DataConfig(train_files=[messages])
+    check_files(cfg)  # `messages` stands in for the default prompt column
+    records, _ = load_prompts([messages], cfg, tokenizer)
+    assert records[0].prompt == turns[:1] and records[0].extra == {"solution": "8"}
+    # Only for the default prompt_key: a named column must exist.
+    with pytest.raises(ConfigError, match="has no column 'question'"):
+        check_files(DataConfig(train_files=[messages], prompt_key="question"))

@@ -93,8 +93,13 @@ def test_seed_rule_is_a_deprecated_alias_that_keeps_its_breakdown_name():
 
 
 def test_check_values():
+    import numpy as np
+
     assert check_values([1, 0.5, None], 3) == [1.0, 0.5, None]
-    bad = check_values([math.nan, math.inf, "high", True], 4)
+    # Booleans are 1/0 as TRL's float tensor makes them, numpy's too (np.bool_ is no numbers.Real).
+    assert check_values([True, False, np.bool_(True), np.float32(0.5)], 4) == [1.0, 0.0, 1.0, 0.5]
+    assert check_values(np.array([True, False]), 2) == [1.0, 0.0]
+    bad = check_values([math.nan, math.inf, "high", b"x"], 4)
     assert [type(v) for v in bad] == [str] * 4 and "not finite" in bad[0] and "not a number" in bad[2]
     with pytest.raises(ValueError, match="returned 1 values for 2 completions"):
         check_values([1.0], 2)
@@ -109,7 +114,8 @@ def test_call_function_plain_async_and_raising():
     def boom(prompts, completions, **kwargs):
         raise RuntimeError("nope")
 
-    assert call_function(areward, ["p"], ["c"], {}) == ("ok", [2.0])
+    kind, scored = call_function(areward, ["p"], ["c"], {})
+    assert kind == "ok" and scored.values == [2.0]
     kind, message = call_function(boom, ["p"], ["c"], {})
     assert kind == "error" and message.startswith("raised RuntimeError: nope (at ") and "test_builtins.py" in message
 

@@ -13,9 +13,11 @@ class ScoreStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SCORE_STATUS_UNSPECIFIED: _ClassVar[ScoreStatus]
     SCORE_STATUS_OK: _ClassVar[ScoreStatus]
     SCORE_STATUS_ERROR: _ClassVar[ScoreStatus]
+    SCORE_STATUS_NO_REWARD: _ClassVar[ScoreStatus]
 SCORE_STATUS_UNSPECIFIED: ScoreStatus
 SCORE_STATUS_OK: ScoreStatus
 SCORE_STATUS_ERROR: ScoreStatus
+SCORE_STATUS_NO_REWARD: ScoreStatus
 
 class RewardChatMessage(_message.Message):
     __slots__ = ("role", "content")
@@ -32,26 +34,46 @@ class RewardChat(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[RewardChatMessage, _Mapping]]] = ...) -> None: ...
 
 class ScoreGroup(_message.Message):
-    __slots__ = ("prompt_id", "text", "chat", "completions", "extra")
+    __slots__ = ("prompt_id", "text", "chat", "completions", "extra", "completion_ids")
     PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     COMPLETIONS_FIELD_NUMBER: _ClassVar[int]
     EXTRA_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_IDS_FIELD_NUMBER: _ClassVar[int]
     prompt_id: str
     text: str
     chat: RewardChat
     completions: _containers.RepeatedScalarFieldContainer[str]
     extra: _struct_pb2.Struct
-    def __init__(self, prompt_id: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[RewardChat, _Mapping]] = ..., completions: _Optional[_Iterable[str]] = ..., extra: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
+    completion_ids: _containers.RepeatedCompositeFieldContainer[CompletionTokenIds]
+    def __init__(self, prompt_id: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[RewardChat, _Mapping]] = ..., completions: _Optional[_Iterable[str]] = ..., extra: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., completion_ids: _Optional[_Iterable[_Union[CompletionTokenIds, _Mapping]]] = ...) -> None: ...
+
+class CompletionTokenIds(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class RewardTrainerState(_message.Message):
+    __slots__ = ("global_step", "max_steps", "epoch")
+    GLOBAL_STEP_FIELD_NUMBER: _ClassVar[int]
+    MAX_STEPS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    global_step: int
+    max_steps: int
+    epoch: float
+    def __init__(self, global_step: _Optional[int] = ..., max_steps: _Optional[int] = ..., epoch: _Optional[float] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
-    __slots__ = ("groups", "group_size")
+    __slots__ = ("groups", "group_size", "trainer_state")
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_STATE_FIELD_NUMBER: _ClassVar[int]
     groups: _containers.RepeatedCompositeFieldContainer[ScoreGroup]
     group_size: int
-    def __init__(self, groups: _Optional[_Iterable[_Union[ScoreGroup, _Mapping]]] = ..., group_size: _Optional[int] = ...) -> None: ...
+    trainer_state: RewardTrainerState
+    def __init__(self, groups: _Optional[_Iterable[_Union[ScoreGroup, _Mapping]]] = ..., group_size: _Optional[int] = ..., trainer_state: _Optional[_Union[RewardTrainerState, _Mapping]] = ...) -> None: ...
 
 class CompletionScore(_message.Message):
     __slots__ = ("reward", "breakdown", "status", "message")
@@ -73,12 +95,21 @@ class CompletionScore(_message.Message):
     def __init__(self, reward: _Optional[float] = ..., breakdown: _Optional[_Mapping[str, float]] = ..., status: _Optional[_Union[ScoreStatus, str]] = ..., message: _Optional[str] = ...) -> None: ...
 
 class GroupScores(_message.Message):
-    __slots__ = ("prompt_id", "scores")
+    __slots__ = ("prompt_id", "scores", "metrics")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
     SCORES_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
     prompt_id: str
     scores: _containers.RepeatedCompositeFieldContainer[CompletionScore]
-    def __init__(self, prompt_id: _Optional[str] = ..., scores: _Optional[_Iterable[_Union[CompletionScore, _Mapping]]] = ...) -> None: ...
+    metrics: _containers.ScalarMap[str, float]
+    def __init__(self, prompt_id: _Optional[str] = ..., scores: _Optional[_Iterable[_Union[CompletionScore, _Mapping]]] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class RewardSpecRef(_message.Message):
     __slots__ = ("name", "version", "content_hash")
