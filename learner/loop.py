@@ -39,7 +39,7 @@ from dgrpo.learner.metrics import MetricsLogger, StepTimer
 from dgrpo.learner.pipeline import RolloutPipeline, staleness_metrics
 from dgrpo.learner.reward_client import GroupReward, RewardClient, score_group
 from dgrpo.learner.rollout import RolloutClient, RolloutStats, make_prompt
-from dgrpo.v1 import sampler_pb2
+from dgrpo.v1 import rewarder_pb2, sampler_pb2
 from dgrpo.weights.gather import layout as weight_layout
 from dgrpo.weights.rounding import publish_cast
 
@@ -282,7 +282,8 @@ class Trainer:
             t0 = time.perf_counter()
             rec = batch[i]
             result = await self.rewarder.score(score_group(
-                group.prompt_id, rec.prompt, [c.text for c in group.completions], rec.extra))
+                group.prompt_id, rec.prompt, [c.text for c in group.completions], rec.extra,
+                [c.token_ids for c in group.completions]), self._trainer_state())
             busy[0] += time.perf_counter() - t0
             return result
 
@@ -306,7 +307,9 @@ class Trainer:
         """Group-normalized advantages, and the Sequences the actor trains on (groups contiguous)."""
         algo, n = self.lc.algorithm, self.lc.rollout.n
         rewards = torch.tensor([r for sg in scored for r in sg.reward.rewards], dtype=torch.float32)  # [B*G]
-        advantages = grpo.group_advantages(rewards, n, algo.adv_scale, algo.adv_eps)  # [B*G]
+        valid = torch.tensor([ok for sg in scored for ok in sg.reward.valid], dtype=torch.bool)  # [B*G]
+        # Completions without a reward (ERROR, or every function returned None) stay out of the baselines.
+        advantages = grpo.group_advantages(rewards, n, algo.adv_scale, algo.adv_eps, valid=valid)  # [B*G]
         sequences: list[Sequence] = []
         completions = [(sg, c, ok) for sg in scored for c, ok in zip(sg.group.completions, sg.reward.valid)]
         eos = self.tokenizer.eos_token_id or 0
@@ -334,7 +337,8 @@ class Trainer:
             "reward/max": rewards.max().item(),
             "reward/min": rewards.min().item(),
             "reward/frac_zero_std": grpo.zero_std_fraction(rewards, self.lc.rollout.n),
-            "reward/errors": float(sum(not ok for sg in scored for ok in sg.reward.valid)),
+            "reward/errors": float(sum(len(sg.reward.errors) for sg in scored)),
+            "reward/no_reward": float(sum(sum(sg.reward.no_reward) for sg in scored)),
             "reward/retries": float(sum(sg.reward.retries for sg in scored)),
             "reward/busy_s": self._reward_busy,
             # Which reward scored this step (a hot swap shows as a step up); min and max differ mid-swap.
@@ -348,12 +352,18 @@ class Trainer:
             "rollout/stale_completions": float(stale),
         }
         m.update(_breakdown_means(scored, "reward"))
+        m.update(_logged_metrics(scored))
         specs = {sg.reward.spec for sg in scored}
         if specs != self._reward_specs:  # a hot-swapped reward function shows up here, named and hashed
             log.info("rewards of step %d come from %s (before: %s)", self.step_num + 1, ", ".join(sorted(specs)),
                      ", ".join(sorted(self._reward_specs)) or "none")
             self._reward_specs = specs
         return m
+
+    def _trainer_state(self) -> rewarder_pb2.RewardTrainerState:
+        """TRL's trainer_state for the reward functions: steps completed now, of how many, and the data epoch."""
+        return rewarder_pb2.RewardTrainerState(global_step=self.step_num, max_steps=self.total_steps,
+                                               epoch=float(self.train_data.epoch))
 
     async def sync_initial_weights(self) -> None:
         """Make the samplers serve this run's weights before the first rollout.
@@ -481,6 +491,15 @@ class Trainer:
             self.publisher.close()
         if getattr(self, "metrics", None) is not None:
             self.metrics.close()
+
+
+def _logged_metrics(scored: list[ScoredGroup]) -> dict[str, float]:
+    """What reward functions logged with TRL's `log_metric`, averaged over the step's groups: reward/metric/<name>."""
+    values: dict[str, list[float]] = {}
+    for sg in scored:
+        for name, value in sg.reward.metrics.items():
+            values.setdefault(name, []).append(value)
+    return {f"reward/metric/{k}": sum(v) / len(v) for k, v in values.items()}
 
 
 def _breakdown_means(scored: list[ScoredGroup], prefix: str) -> dict[str, float]:
