@@ -178,9 +178,9 @@ def _call_verl(uf: UserFunction, completions: list, kwargs: dict) -> Scored:
     values: list[Value] = []
     extras: list[dict[str, float]] = []
     for i, c in enumerate(completions):
-        arguments = dict(data_source=kwargs.get("data_source", [None] * len(completions))[i], solution_str=_text(c),
-                         ground_truth=_ground_truth(kwargs, i),
-                         extra_info=kwargs.get("extra_info", [None] * len(completions))[i])
+        arguments = {"data_source": kwargs.get("data_source", [None] * len(completions))[i],
+                     "solution_str": _text(c), "ground_truth": _ground_truth(kwargs, i),
+                     "extra_info": kwargs.get("extra_info", [None] * len(completions))[i]}
         try:  # one call per completion, as verl makes them: a failure is that completion's alone
             result = _resolve(uf.fn(**arguments, **uf.reward_kwargs))
         except Exception as e:  # noqa: BLE001 - user code
