@@ -253,6 +253,7 @@ def call_function(fn, prompts: list, completions: list, kwargs: dict,
         return "error", str(e)
     except Exception as e:  # noqa: BLE001 - user code: every failure becomes an error for this call
         return "error", describe_exception(e, _home(getattr(fn, "fn", fn)))
-    if isinstance(fn, UserFunction):  # a value that is unusable names where the function lives
-        scored.values = [f"{v} ({fn.where})" if isinstance(v, str) else v for v in scored.values]
+    if isinstance(fn, UserFunction):  # a value that is unusable names where the function lives (a raise has its line)
+        scored.values = [f"{v} ({fn.where})" if isinstance(v, str) and v.startswith("returned") else v
+                         for v in scored.values]
     return "ok", scored

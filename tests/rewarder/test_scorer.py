@@ -138,6 +138,8 @@ def test_malformed_requests(reward_file):
         "max_completions_per_request=4": [GroupInput("a", "p", ["x", "y"]), GroupInput("b", "p", ["x", "y", "z"])],
         "max_request_chars=100": [GroupInput("a", "p" * 99, ["xy"])],
         "clashes": [GroupInput("a", "p", ["x"], {"completions": 1})],
+        "column 'trainer_state' clashes": [GroupInput("a", "p", ["x"], {"trainer_state": 1})],
+        "2 completion_ids entries for 1 completions": [GroupInput("a", "p", ["x"], {}, [[1], [2]])],
     }
     for message, groups in cases.items():
         with pytest.raises(RequestError, match=message):
