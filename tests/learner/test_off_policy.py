@@ -6,6 +6,8 @@ update on the tiny model."""
 from __future__ import annotations
 
 import math
+import os
+import socket
 
 import pytest
 import torch
@@ -14,7 +16,7 @@ import yaml
 from dgrpo.cli.stack import StackConfig
 from dgrpo.common.config import ConfigError, load_config, to_yaml
 from dgrpo.learner import grpo
-from dgrpo.learner.actor import Actor
+from dgrpo.learner.actor import Actor, StepSums
 from dgrpo.learner.actor_config import ActorConfig, AlgorithmConfig, OptimConfig
 from dgrpo.learner.batch import Sequence
 
@@ -278,3 +280,29 @@ def test_default_reports_no_off_policy_metrics_and_mask_needs_sampler_logprobs(t
     for algorithm in ({"off_policy": "mask"}, {"tis_cap": 2.0}):
         with pytest.raises(ValueError, match="sampler's logprobs on every sequence"):
             make_actor(tiny_model, algorithm).update(bare, group_size=4)
+
+
+def _rank_sums(rank: int, port: int, out: str) -> None:
+    from dgrpo.learner.distributed import init_distributed, shutdown_distributed
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    ctx = init_distributed("cpu", timeout_s=60)
+    try:
+        mine = StepSums(loss_tokens=rank + 1.0, is_weight_mean=0.5, is_weight_max=(0.37, 1.75)[rank])
+        both = mine.all_reduced(ctx, maxima=True)
+        torch.save({"both": both, "local": mine.all_reduced(ctx)}, f"{out}/{rank}.pt")
+    finally:
+        shutdown_distributed()
+
+
+def test_is_weight_max_is_the_maximum_over_ranks(tmp_path):
+    """Two gloo ranks: the sums add up in the one all-reduce, is_weight_max takes the other rank's larger value."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.multiprocessing.spawn(_rank_sums, args=(port, str(tmp_path)), nprocs=2)
+    for rank in (0, 1):
+        got = torch.load(tmp_path / f"{rank}.pt", weights_only=False)
+        assert (got["both"].loss_tokens, got["both"].is_weight_mean, got["both"].is_weight_max) == (3.0, 1.0, 1.75)
+        assert got["local"].is_weight_max == (0.37, 1.75)[rank]  # maxima=False: no second collective
