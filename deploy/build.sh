@@ -48,8 +48,8 @@ done
 "$DOCKER" info >/dev/null 2>&1 || die "no Docker daemon answers ($DOCKER info failed; start dockerd)"
 
 # The local stand-in for python:3.12-slim: Debian bookworm's python3 (3.11) plus the CPU image's runtime
-# libraries, so the build needs no apt index. Tagged by the content hash of its recipe.
-LOCAL_PACKAGES="python3,python3-venv,ca-certificates,libnuma1,libgomp1,libtcmalloc-minimal4"
+# packages (Dockerfile.cpu's final stage), so the build needs no apt index. Tagged by the content hash of its recipe.
+LOCAL_PACKAGES="python3,python3-venv,ca-certificates,libnuma1,libgomp1,libtcmalloc-minimal4,g++"
 local_base() {
   local sources="" tag tar
   for s in /etc/apt/sources.list.d/debian.sources /etc/apt/sources.list; do [ -f "$s" ] && sources="$s" && break; done
