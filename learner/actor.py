@@ -267,7 +267,7 @@ class Actor:
         return [idx[j] for j in parts[self.ctx.rank]]
 
     def _loss_tokens(self, s: Sequence) -> int:
-        return 0 if (self.algo.mask_truncated and s.truncated) else len(s.completion_ids)
+        return 0 if not s.in_loss or (self.algo.mask_truncated and s.truncated) else len(s.completion_ids)
 
     def _denominator(self, seqs: list[Sequence]) -> float:
         """What the aggregation divides by, over `seqs`: tokens (token-mean) or live sequences (seq-means)."""
@@ -415,6 +415,7 @@ class Actor:
         loss mask [B, T]."""
         algo = self.algo
         mask = grpo.mask_truncated(mb.mask, mb.truncated) if algo.mask_truncated else mb.mask
+        mask = mask * mb.in_loss.unsqueeze(1).to(mask.dtype)  # [B, T]: completions without a reward train nothing
         if algo.old_logprobs == "sampler":
             old_logp = mb.sampler_logp
         elif old:

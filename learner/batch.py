@@ -45,6 +45,9 @@ class Sequence:
     algorithm.old_logprobs=sampler and for truncated importance sampling."""
     truncated: bool = False
     """The completion hit max_tokens (finish_reason length)."""
+    in_loss: bool = True
+    """False for a completion without a reward (a reward error, every function returned None, or an aborted
+    completion): it keeps its group's shape but adds nothing to the loss, its denominator or the KL."""
 
     def __post_init__(self) -> None:
         if not self.completion_ids:
@@ -73,6 +76,7 @@ class MicroBatch:
     advantages: torch.Tensor  # [B]
     sampler_logp: torch.Tensor | None  # [B, T] or None when any sequence lacks sampler logprobs
     truncated: torch.Tensor  # [B] bool
+    in_loss: torch.Tensor  # [B] bool (Sequence.in_loss)
     indices: list[int]  # position of each sequence in the list it was cut from
     padded_tokens: int  # R*L: tokens the forward computes
     real_tokens: int  # of those, tokens that are not padding
@@ -88,7 +92,7 @@ class MicroBatch:
         return MicroBatch(
             move(self.input_ids), move(self.position_ids), move(self.attention_mask), move(self.token_index),
             move(self.logit_index), move(self.mask), move(self.advantages), move(self.sampler_logp),
-            move(self.truncated), self.indices, self.padded_tokens, self.real_tokens, self.sequence_tokens,
+            move(self.truncated), move(self.in_loss), self.indices, self.padded_tokens, self.real_tokens, self.sequence_tokens,
             None if self.attention_blocks is None else [b.to(device) for b in self.attention_blocks],
         )
 
@@ -204,6 +208,7 @@ def _micro_batch(seqs, indices, input_ids, position_ids, attention_mask, token_i
         advantages=torch.tensor([s.advantage for s in seqs], dtype=torch.float32),
         sampler_logp=sampler_logp,
         truncated=torch.tensor([s.truncated for s in seqs], dtype=torch.bool),
+        in_loss=torch.tensor([s.in_loss for s in seqs], dtype=torch.bool),
         indices=list(indices),
         padded_tokens=input_ids.numel(),
         real_tokens=real_tokens,

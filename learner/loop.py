@@ -320,10 +320,11 @@ class Trainer:
             sequences.append(Sequence(
                 prompt_ids=list(sg.group.prompt_token_ids) or list(sg.record.token_ids),
                 completion_ids=ids,
-                # A completion the rewarder could not score has no valid reward: advantage 0, no policy gradient.
+                # A completion the rewarder could not score has no valid reward: out of the loss entirely.
                 advantage=adv if ok else 0.0,
                 sampler_logprobs=logprobs if len(logprobs) == len(ids) else None,
                 truncated=c.finish_reason == LENGTH,
+                in_loss=ok,
             ))
         return sequences, self._rollout_metrics(scored, rewards)
 

@@ -287,3 +287,24 @@ def test_shared_prompt_layout():
     assert split_groups_by_tokens(seqs, 9) == [[0, 1, 2]]  # 2 + 2 + 3 and 1 + 1
     assert split_groups_by_tokens(seqs, 8) == [[0, 1], [2]]
     assert split_groups_by_tokens(seqs, 6) == [[1], [0, 2]]  # [1, 2] + [5, 6, 7] = 5, [1, 2] + [3, 4] = 4 with 2
+
+
+@pytest.mark.parametrize("layout", [{}, PACKED], ids=["padded", "packed"])
+@pytest.mark.parametrize("algorithm", [{"beta": 0.1}, {"beta": 0.1, "loss_agg": "seq-mean-token-mean"}],
+                         ids=["token-mean", "seq-mean"])
+def test_a_completion_without_a_reward_leaves_no_trace_in_the_update(tiny_model, algorithm, layout):
+    """A completion the rewarder gave no reward (in_loss=False) keeps its group's shape but adds nothing: not to
+    the policy gradient, the KL or the denominator. Whatever its tokens, the loss, KL and gradient are the same;
+    counted in (in_loss True with advantage 0), it changes them through the denominator."""
+    def update(excluded_ids: list[int], in_loss: bool) -> list[float]:
+        torch.manual_seed(0)
+        actor = make_actor(tiny_model, algorithm=algorithm, actor=layout)
+        seqs = make_seqs(8, groups=True)
+        seqs[3] = Sequence(seqs[3].prompt_ids, excluded_ids, 0.0, [-7.0] * len(excluded_ids), in_loss=in_loss)
+        m = actor.update(seqs, group_size=4)
+        return [m["actor/loss"], m["actor/kl"], m["actor/grad_norm"]]
+
+    short, long = [11, 12], [500, 600, 700, 800, 900]
+    assert update(short, in_loss=False) == pytest.approx(update(long, in_loss=False), rel=1e-5)
+    # Counted in, it is in the denominator (its tokens for token-mean, one more sequence for the seq-means).
+    assert update(long, in_loss=True) != pytest.approx(update(long, in_loss=False), rel=1e-3)
