@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -135,6 +136,8 @@ class SamplerEngine:
         self._version_changed = asyncio.Condition()
         self._accepting = True
         self._active: set[asyncio.Task] = set()
+        self._busy_since: float | None = None
+        self._busy_total = 0.0
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dgrpo-tokenize")
 
     @classmethod
@@ -352,11 +355,12 @@ class SamplerEngine:
             await self.wait_for_version(min_weight_version, weight_wait_timeout_s or self.cfg.weight_wait_timeout_s)
         tasks = [asyncio.create_task(self._sample_group(p.id, ids, params)) for p, ids in zip(prompts, token_ids)]
         self._active.update(tasks)
+        self._note_busy()
         for t in tasks:
             # A finished group leaves the in-flight set at once: when a client hangs up after its last group,
             # gRPC may leave this generator suspended (its `finally` waits for garbage collection), and a drain
             # would otherwise wait its whole grace period for groups that are long done.
-            t.add_done_callback(self._active.discard)
+            t.add_done_callback(self._group_done)
         try:
             for next_done in asyncio.as_completed(tasks):
                 yield await next_done
@@ -365,6 +369,26 @@ class SamplerEngine:
                 t.cancel()  # a cancelled generate() aborts its vLLM request
             await asyncio.gather(*tasks, return_exceptions=True)
             self._active.difference_update(tasks)
+            self._note_busy()
+
+    def _group_done(self, task: asyncio.Task) -> None:
+        self._active.discard(task)
+        self._note_busy()
+
+    def _note_busy(self) -> None:
+        now = time.monotonic()
+        if self._active and self._busy_since is None:
+            self._busy_since = now
+        elif not self._active and self._busy_since is not None:
+            self._busy_total += now - self._busy_since
+            self._busy_since = None
+
+    @property
+    def busy_seconds(self) -> float:
+        """Seconds with at least one group in flight since the engine started: what asynchronous training keeps
+        close to the wall time (benchmarks/bench_async.py reads it through Info)."""
+        running = time.monotonic() - self._busy_since if self._busy_since is not None else 0.0
+        return self._busy_total + running
 
     # --- lifecycle ---
 

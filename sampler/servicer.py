@@ -77,4 +77,5 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
             running_requests=e.unfinished_requests,
             waiting_requests=e.load.waiting,
             vocab_size=e.vocab_size,
+            busy_seconds=e.busy_seconds,
         )

@@ -117,7 +117,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SamplerInfo(_message.Message):
-    __slots__ = ("model", "dtype", "device", "max_model_len", "replica_id", "weight_version", "running_requests", "waiting_requests", "vocab_size")
+    __slots__ = ("model", "dtype", "device", "max_model_len", "replica_id", "weight_version", "running_requests", "waiting_requests", "vocab_size", "busy_seconds")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -127,6 +127,7 @@ class SamplerInfo(_message.Message):
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BUSY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     model: str
     dtype: str
     device: str
@@ -136,4 +137,5 @@ class SamplerInfo(_message.Message):
     running_requests: int
     waiting_requests: int
     vocab_size: int
-    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_model_len: _Optional[int] = ..., replica_id: _Optional[str] = ..., weight_version: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., vocab_size: _Optional[int] = ...) -> None: ...
+    busy_seconds: float
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_model_len: _Optional[int] = ..., replica_id: _Optional[str] = ..., weight_version: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., vocab_size: _Optional[int] = ..., busy_seconds: _Optional[float] = ...) -> None: ...
