@@ -60,7 +60,10 @@ def test_health_answers_while_a_huge_prompt_is_tokenized(tiny_model):
         caller.join(300)
         assert outcome["code"] == grpc.StatusCode.INVALID_ARGUMENT and "'novel'" in outcome["details"]
         assert len(waits) >= 3, f"tokenizing took only {outcome['seconds']:.2f}s: too quick to show anything"
-        assert max(waits) < 0.5, f"health checks waited up to {max(waits):.2f}s while a prompt was tokenized"
+        # Blocked, a health check would wait for the whole tokenization (48 s for 40 MB before it moved off the
+        # event loop); served, it waits for the scheduler only (ms; up to ~1 s on a machine under load).
+        assert max(waits) < min(2.0, outcome["seconds"] / 3), (
+            f"health checks waited up to {max(waits):.2f}s while a prompt was tokenized for {outcome['seconds']:.1f}s")
         channel.close()
     finally:
         svc.stop()
