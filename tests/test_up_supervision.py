@@ -1,6 +1,6 @@
 """`dgrpo up` keeps the run through lost services, as a fault injector would try it: kill -9 of a sampler replica and
-of the rewarder mid-run (restarted, training goes on, nothing lost or repeated, the dead process group and its shared
-memory reaped), and the loss of the only sampler with no restart left (the learner drops the step it cannot finish,
+of the rewarder mid-run in asynchronous mode (restarted, training goes on, nothing lost or repeated, the dead process
+group and its shared memory reaped), and the loss of the only sampler with no restart left (the learner drops the step it cannot finish,
 keeps the last completed one in a checkpoint, `up` exits 1 and leaves nothing running).
 """
 
@@ -12,13 +12,25 @@ import signal
 import subprocess
 from pathlib import Path
 
+import grpc
 import pytest
 import yaml
 from up_support import listener_pid, process_group, up_command, wait_for
 
 from dgrpo.cli import procs
+from dgrpo.v1 import rewarder_pb2, rewarder_pb2_grpc
 
 pytestmark = pytest.mark.slow
+SWAPPED = """
+name: swapped
+functions:
+  - type: math_verify
+    field: answer
+  - type: length
+    weight: 0.1
+    max_length: 40
+    mode: penalty
+"""
 
 
 def _start(args: list[str], tmp_path: Path) -> tuple[subprocess.Popen, Path]:
@@ -51,7 +63,10 @@ def _kill_hard(port: int) -> tuple[int, list[int], set[str]]:
 
 def test_killed_sampler_and_rewarder_are_restarted_and_training_goes_on(tiny_model, tmp_path):
     run_dir = tmp_path / "runs" / "sup"
-    proc, log = _start(up_command(tiny_model, tmp_path, "sup", 1000, "--samplers", "2"), tmp_path)
+    # Asynchronous (one batch sampled ahead, in-flight weight updates): a replica leaving and coming back is the
+    # pipeline's scale-down and scale-up.
+    proc, log = _start(up_command(tiny_model, tmp_path, "sup", 1000, "learner.rollout.max_staleness=1",
+                                  "weights.pause_mode=keep", "--samplers", "2"), tmp_path)
     metrics = run_dir / "metrics.jsonl"
     try:
         stack = wait_for(lambda: (run_dir / "stack.yaml").is_file() and yaml.safe_load(
@@ -71,6 +86,16 @@ def test_killed_sampler_and_rewarder_are_restarted_and_training_goes_on(tiny_mod
         wait_for(lambda: "rewarder is back" in log.read_text(), 120, "the rewarder was not restarted", proc, log)
         back_at = _steps_logged(metrics)[-1]
         wait_for(lambda: _steps_logged(metrics)[-1] >= back_at + 2, 300, "no steps after the restart", proc, log)
+
+        # The reward swapped in place while batches are sampled ahead: later steps are scored by the new spec.
+        token = (run_dir / "token").read_text().strip()
+        with grpc.insecure_channel(f"127.0.0.1:{stack['rewarder']['port']}") as channel:
+            reply = rewarder_pb2_grpc.RewarderStub(channel).Reload(
+                rewarder_pb2.ReloadRequest(spec_text=SWAPPED), timeout=60,
+                metadata=[("authorization", f"Bearer {token}")])
+        assert reply.spec.name == "swapped"
+        swapped_at = _steps_logged(metrics)[-1]
+        wait_for(lambda: _steps_logged(metrics)[-1] >= swapped_at + 3, 300, "no steps after the swap", proc, log)
         proc.send_signal(signal.SIGINT)  # stop after the step in progress
         assert proc.wait(300) == 130, log.read_text()[-5000:]
     finally:
@@ -81,10 +106,13 @@ def test_killed_sampler_and_rewarder_are_restarted_and_training_goes_on(tiny_mod
     steps = _steps_logged(metrics)
     assert steps == list(range(1, len(steps) + 1))
     records = [json.loads(line) for line in metrics.read_text().splitlines() if "reward/mean" in line]
+    assert all(r["staleness/max"] <= 1 and r["reward/errors"] == 0 for r in records)
     after_restart = (run_dir / "logs" / "sampler-0.log").read_text().split("---- dgrpo up: restart 1 of sampler-0")
     assert len(after_restart) == 2 and "loaded weight version" in after_restart[1]
     assert any(r.get("rollout/groups_by_replica/sampler-0", 0) > 0 for r in records[back_at - 1:])
     assert "restart 1 of rewarder" in (run_dir / "logs" / "rewarder.log").read_text()
+    spec_versions = [r["reward/spec_version_max"] for r in records]
+    assert spec_versions == sorted(spec_versions) and spec_versions[-1] > spec_versions[swapped_at - 1]
     assert (tmp_path / "ckpt").is_dir() and list((tmp_path / "ckpt").glob("step_*"))  # the Ctrl-C checkpoint
 
 
