@@ -267,9 +267,6 @@ VERL_REASONS = {
     "reward_model.enable": "a reward model is a rewarder function: rewarder.spec.functions [{type: model, path}] "
     "(AutoModelForSequenceClassification; verl's scores the last token of AutoModelForTokenClassification)",
     "reward_model.": "reward models are rewarder functions ({type: model})",
-    "custom_reward_function.path": "verl's compute_score(data_source, solution_str, ground_truth, extra_info) is not "
-    "rewarder `type: file`'s TRL signature fn(prompts, completions, **columns): wrap it and list it there",
-    "custom_reward_function.name": "see custom_reward_function.path",
     "trainer.critic_warmup": "GRPO has no critic", "critic.": "GRPO has no critic",
     "trainer.n_gpus_per_node": "devices per service: `dgrpo up --samplers N`, torchrun --nproc-per-node for the learner",
     "trainer.nnodes": "services are placed by hand or by deploy/ (one compose service each)",
@@ -323,6 +320,7 @@ def from_verl(flat: dict[str, Any]) -> Imported:
     if cap is not None and cap > 0:
         used.add(A + "tis_imp_ratio_cap")
         out.set("learner.algorithm.tis_cap", float(cap), A + "tis_imp_ratio_cap")
+    _verl_reward(flat, out, used)
     _verl_warmup(flat, out, used)
     _verl_checkpoint(flat, out, used)
     if flat.get("data.filter_overlong_prompts"):
@@ -336,6 +334,23 @@ def from_verl(flat: dict[str, Any]) -> Imported:
         same["reward_model."] = None  # a disabled reward model's settings do nothing
     _leftovers(flat, out, used, same, VERL_REASONS, "no counterpart in dgrpo")
     return out
+
+
+def _verl_reward(flat: dict, out: Imported, used: set[str]) -> None:
+    """custom_reward_function -> the rewarder's `{type: python, path, name, reward_kwargs}` (verl's spelling, its
+    compute_score(data_source, solution_str, ground_truth, extra_info) called unchanged)."""
+    prefix = "custom_reward_function."
+    keys = [k for k in flat if k.startswith(prefix)]
+    used.update(keys)
+    if not flat.get(prefix + "path"):
+        return
+    fn: dict[str, Any] = {"type": "python", "path": flat[prefix + "path"],
+                          "name": flat.get(prefix + "name") or "compute_score"}
+    kwargs = {k.removeprefix(prefix + "reward_kwargs."): flat[k] for k in keys
+              if k.startswith(prefix + "reward_kwargs.")}
+    if kwargs:
+        fn["reward_kwargs"] = kwargs
+    out.set("rewarder.spec", {"name": "verl_custom_reward", "functions": [fn]}, prefix + "path")
 
 
 def _verl_warmup(flat: dict, out: Imported, used: set[str]) -> None:
