@@ -70,6 +70,7 @@ class RolloutPipeline:
             raise ValueError("the pipeline is for max_staleness >= 1 (0 is the lockstep loop)")
         self.data, self.sample_and_score, self.k = data, sample_and_score, max_staleness
         self.in_flight: deque[InFlight] = deque()
+        self._abandoned: list[asyncio.Task] = []
 
     def fill(self, next_step: int, version: int, last_step: int) -> None:
         """Start every batch that may be sampled now: steps next_step ... next_step + k (none after `last_step`),
@@ -106,17 +107,18 @@ class RolloutPipeline:
         """Where a resume continues: before the oldest batch not yet trained (None: nothing in flight)."""
         return self.in_flight[0].data_before if self.in_flight else None
 
-    def abandon(self) -> list[asyncio.Task]:
+    def abandon(self) -> None:
         """Cancel every batch in flight (their sampler requests are aborted; a resume samples them again)."""
-        tasks = [f.task for f in self.in_flight]
-        for task in tasks:
-            task.cancel()
+        for f in self.in_flight:
+            f.task.cancel()
+            self._abandoned.append(f.task)
         self.in_flight.clear()
-        return tasks
 
     async def cancel(self) -> None:
-        """`abandon`, and wait until the cancelled batches have let go of their calls."""
-        await asyncio.gather(*self.abandon(), return_exceptions=True)
+        """`abandon`, and wait until every cancelled batch has let go of its calls."""
+        self.abandon()
+        tasks, self._abandoned = self._abandoned, []
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def staleness_metrics(scored: Sequence[Any], version: int) -> dict[str, float]:
