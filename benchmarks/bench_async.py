@@ -116,7 +116,9 @@ def run_one(run: Run, steps: int, work: Path) -> Run:
     logs = {name: open(run_dir / f"{name}.log", "w") for name in ("rewarder", "sampler", "learner")}  # noqa: SIM115
     procs: list[subprocess.Popen] = []
     try:
-        rewarder = subprocess.Popen([*dgrpo, "rewarder", "--config", str(CONFIG), *common], env=env,
+        # The rewarder scores as groups arrive, i.e. while the sampler decodes: it shares the sampler's core, so the
+        # learner's core holds the learner alone.
+        rewarder = subprocess.Popen([*pin(0), *dgrpo, "rewarder", "--config", str(CONFIG), *common], env=env,
                                     stdout=logs["rewarder"], stderr=subprocess.STDOUT)
         procs.append(rewarder)
         sampler = subprocess.Popen([*pin(0), *dgrpo, "sampler", "--config", str(CONFIG), *common,
