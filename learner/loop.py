@@ -482,6 +482,8 @@ class Trainer:
     async def close(self) -> None:
         if not self.ctx.is_main:
             return
+        if getattr(self, "rollout", None) is not None and getattr(self, "publisher", None) is not None:
+            await self._let_replicas_finish_loading()
         for name in ("rollout", "rewarder"):
             client = getattr(self, name, None)
             if client is not None:
@@ -492,6 +494,31 @@ class Trainer:
             self.publisher.close()
         if getattr(self, "metrics", None) is not None:
             self.metrics.close()
+
+
+    async def _let_replicas_finish_loading(self, timeout_s: float = 15.0) -> None:
+        """The weight slots go with this process. A replica still loading the last version when they vanish holds
+        a mix of two versions and shuts itself down (weights/subscriber.py): give the replicas that answer a few
+        seconds to report that version first."""
+        if self.version == 0:
+            return
+        deadline = time.monotonic() + timeout_s
+        try:
+            pending = set(await asyncio.wait_for(self.rollout.replicas(), timeout_s))
+        except Exception:  # noqa: BLE001 (no replica to wait for: nothing to do)
+            return
+        while pending and time.monotonic() < deadline:
+            for address in sorted(pending):
+                try:
+                    if (await self.rollout.info(address, timeout=2.0)).weight_version >= self.version:
+                        pending.discard(address)
+                except grpc.aio.AioRpcError:
+                    pending.discard(address)  # unreachable or not serving: nothing of ours to finish
+            if pending:
+                await asyncio.sleep(0.2)
+        if pending:
+            log.warning("replicas %s had not loaded version %d after %.0fs; exiting anyway", ", ".join(sorted(pending)),
+                        self.version, timeout_s)
 
 
 def _logged_metrics(scored: list[ScoredGroup]) -> dict[str, float]:
