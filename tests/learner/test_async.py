@@ -184,7 +184,8 @@ def test_replica_killed_mid_run_loses_and_duplicates_nothing(stack):
     victim = stack["samplers"][0]
     cmd = [sys.executable, "-m", "dgrpo.cli", "learner", "--config", str(stack["config"]),
            f"learner.checkpoint.dir={root / 'ckpt_kill'}", "learner.trainer.run_name=kill",
-           "learner.trainer.test_freq=0", "learner.rollout.retry_backoff_s=0.2", "learner.rollout.max_backoff_s=1"]
+           "learner.trainer.test_freq=0", "learner.rollout.retry_backoff_s=0.2", "learner.rollout.max_backoff_s=1",
+           "learner.rollout.step_timeout_s=240"]  # with no replica left, fail in minutes rather than hang
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     metrics = root / "runs" / "kill" / "metrics.jsonl"
     deadline = time.monotonic() + 300
