@@ -14,22 +14,12 @@ from pathlib import Path
 import grpc
 import pytest
 import yaml
-from up_support import up_command, wait_for
+from up_support import SWAPPED_SPEC, up_command, wait_for
 
 from dgrpo.v1 import rewarder_pb2, rewarder_pb2_grpc
 
 pytestmark = pytest.mark.slow
 
-NEW_SPEC = """
-name: swapped
-functions:
-  - type: math_verify
-    field: answer
-  - type: length
-    weight: 0.1
-    max_length: 40
-    mode: penalty
-"""
 
 
 def _our_segments() -> set[str]:
@@ -58,9 +48,9 @@ def test_up_two_samplers_and_a_reward_swap(tiny_model, tmp_path):
         with grpc.insecure_channel(rewarder) as channel:
             stub = rewarder_pb2_grpc.RewarderStub(channel)
             with pytest.raises(grpc.RpcError) as refused:
-                stub.Reload(rewarder_pb2.ReloadRequest(spec_text=NEW_SPEC), timeout=60)
+                stub.Reload(rewarder_pb2.ReloadRequest(spec_text=SWAPPED_SPEC), timeout=60)
             assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
-            reply = stub.Reload(rewarder_pb2.ReloadRequest(spec_text=NEW_SPEC), timeout=60,
+            reply = stub.Reload(rewarder_pb2.ReloadRequest(spec_text=SWAPPED_SPEC), timeout=60,
                                 metadata=[("authorization", f"Bearer {token}")])
         assert reply.spec.name == "swapped" and reply.previous.name != "swapped"
         assert proc.wait(600) == 0, (tmp_path / "up.log").read_text()[-5000:]

@@ -15,22 +15,12 @@ from pathlib import Path
 import grpc
 import pytest
 import yaml
-from up_support import listener_pid, process_group, up_command, wait_for
+from up_support import SWAPPED_SPEC, listener_pid, up_command, wait_for
 
 from dgrpo.cli import procs
 from dgrpo.v1 import rewarder_pb2, rewarder_pb2_grpc
 
 pytestmark = pytest.mark.slow
-SWAPPED = """
-name: swapped
-functions:
-  - type: math_verify
-    field: answer
-  - type: length
-    weight: 0.1
-    max_length: 40
-    mode: penalty
-"""
 
 
 def _start(args: list[str], tmp_path: Path) -> tuple[subprocess.Popen, Path]:
@@ -54,7 +44,7 @@ def _kill_hard(port: int) -> tuple[int, list[int], set[str]]:
     group, the group's processes, and the /dev/shm files they used that nobody else uses."""
     pid = listener_pid(port)
     assert pid is not None, f"nothing listens on {port}"
-    members = process_group(pid)
+    members = procs.group_pids(pid)
     used = procs.shm_files(members)
     others = procs.shm_files([p for p in map(int, filter(str.isdigit, os.listdir("/proc"))) if p not in members])
     os.kill(pid, signal.SIGKILL)
@@ -77,7 +67,7 @@ def test_killed_sampler_and_rewarder_are_restarted_and_training_goes_on(tiny_mod
         pgid, members, shm_only_its = _kill_hard(sampler_port)
         assert len(members) > 1, "a sampler is a process tree (vLLM's engine core runs in its own process)"
         wait_for(lambda: "sampler-0 is back" in log.read_text(), 300, "sampler-0 was not restarted", proc, log)
-        assert process_group(pgid) == [], "the dead sampler's engine and workers were not reaped"
+        assert procs.group_pids(pgid) == [], "the dead sampler's engine and workers were not reaped"
         assert not [p for p in shm_only_its if os.path.exists(p)], "its shared memory was left behind"
         back_at = _steps_logged(metrics)[-1]
         wait_for(lambda: _steps_logged(metrics)[-1] >= back_at + 2, 300, "no steps after the restart", proc, log)
@@ -91,7 +81,7 @@ def test_killed_sampler_and_rewarder_are_restarted_and_training_goes_on(tiny_mod
         token = (run_dir / "token").read_text().strip()
         with grpc.insecure_channel(f"127.0.0.1:{stack['rewarder']['port']}") as channel:
             reply = rewarder_pb2_grpc.RewarderStub(channel).Reload(
-                rewarder_pb2.ReloadRequest(spec_text=SWAPPED), timeout=60,
+                rewarder_pb2.ReloadRequest(spec_text=SWAPPED_SPEC), timeout=60,
                 metadata=[("authorization", f"Bearer {token}")])
         assert reply.spec.name == "swapped"
         swapped_at = _steps_logged(metrics)[-1]
@@ -143,6 +133,6 @@ def test_losing_the_only_sampler_keeps_the_last_completed_step(tiny_model, tmp_p
     assert f"dropped step {done + 1} in flight, kept step {done}" in learner_log, learner_log[-3000:]
     assert (tmp_path / "ckpt" / f"step_{done}").is_dir()
     # Nothing left running, nothing left in /dev/shm.
-    assert process_group(pgid) == [] and (learner_pgid is None or process_group(learner_pgid) == [])
+    assert procs.group_pids(pgid) == [] and (learner_pgid is None or procs.group_pids(learner_pgid) == [])
     assert not [p for p in shm_only_its if os.path.exists(p)]
     assert not list(Path("/dev/shm").glob("dgrpo-w-lost*"))

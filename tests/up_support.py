@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import psutil
+
+SWAPPED_SPEC = """
+name: swapped
+functions:
+  - type: math_verify
+    field: answer
+  - type: length
+    weight: 0.1
+    max_length: 40
+    mode: penalty
+"""
+"""The reward spec the `dgrpo up` tests hot-swap in."""
 
 
 def up_command(model: Path, tmp_path: Path, run_name: str, steps: int, *extra: str) -> list[str]:
@@ -44,15 +55,3 @@ def listener_pid(port: int) -> int | None:
         if conn.status == psutil.CONN_LISTEN and conn.laddr.port == port and conn.pid:
             return conn.pid
     return None
-
-
-def process_group(pgid: int) -> list[int]:
-    """Living (non-zombie) processes of a process group."""
-    out = []
-    for p in psutil.process_iter(["status"]):
-        try:
-            if os.getpgid(p.pid) == pgid and p.info["status"] != psutil.STATUS_ZOMBIE:
-                out.append(p.pid)
-        except (psutil.Error, ProcessLookupError):
-            continue
-    return out

@@ -16,32 +16,12 @@ from pathlib import Path
 import grpc
 import pytest
 import yaml
+from loop_support import fixed_port, read_jsonl, sampler_version, start_rewarder
 from support import ServiceProcess, free_port
 
-from dgrpo.cli.up import stable_free_port
-from dgrpo.v1 import learner_pb2, learner_pb2_grpc, sampler_pb2, sampler_pb2_grpc
+from dgrpo.v1 import learner_pb2, learner_pb2_grpc
 
 pytestmark = pytest.mark.slow
-REWARD_FNS = Path(__file__).with_name("reward_fns.py")
-REWARD_SPEC = f"rewarder.spec={{name: test, functions: [{{type: file, path: {REWARD_FNS}, function: char_diversity}}]}}"
-
-
-def fixed_port() -> int:
-    return stable_free_port()
-
-
-def start_rewarder(port: int) -> ServiceProcess:
-    return ServiceProcess("rewarder", [f"rewarder.port={port}", "rewarder.host=127.0.0.1", "rewarder.workers=1",
-                                       REWARD_SPEC], port)
-
-
-def sampler_version(address: str) -> int:
-    with grpc.insecure_channel(address) as ch:
-        return sampler_pb2_grpc.SamplerStub(ch).Info(sampler_pb2.InfoRequest(), timeout=10).weight_version
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")

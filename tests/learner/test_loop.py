@@ -19,26 +19,12 @@ import grpc
 import pytest
 import torch
 import yaml
+from loop_support import fixed_port, read_jsonl, sampler_version, start_rewarder
 from support import ServiceProcess, free_port
 
-from dgrpo.cli.up import stable_free_port
-from dgrpo.v1 import learner_pb2, learner_pb2_grpc, sampler_pb2, sampler_pb2_grpc
+from dgrpo.v1 import learner_pb2, learner_pb2_grpc, sampler_pb2
 
 pytestmark = pytest.mark.slow
-REWARD_FNS = Path(__file__).with_name("reward_fns.py")
-REWARD_SPEC = f"rewarder.spec={{name: test, functions: [{{type: file, path: {REWARD_FNS}, function: char_diversity}}]}}"
-
-
-def fixed_port() -> int:
-    """A free port the engines' own bind(0) calls cannot take before the learner binds it (dgrpo up's choice)."""
-    return stable_free_port()
-
-
-def start_rewarder(port: int) -> ServiceProcess:
-    return ServiceProcess("rewarder", [f"rewarder.port={port}", "rewarder.host=127.0.0.1", "rewarder.workers=1",
-                                       REWARD_SPEC], port)
-
-
 @pytest.fixture(scope="module")
 def stack(tiny_model, tmp_path_factory):
     """Rewarder + two sampler replicas subscribed to weight sync on free ports; all started in parallel."""
@@ -82,15 +68,6 @@ def stack(tiny_model, tmp_path_factory):
                 svc.proc.terminate()
         for svc in [rewarder, *samplers]:
             svc.stop(timeout=30)
-
-
-def sampler_version(address: str) -> int:
-    with grpc.insecure_channel(address) as ch:
-        return sampler_pb2_grpc.SamplerStub(ch).Info(sampler_pb2.InfoRequest(), timeout=10).weight_version
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def test_short_run_trains_publishes_and_logs(stack, tiny_model):
