@@ -158,12 +158,6 @@ class Stack:
         svc.serving_since = time.monotonic()
         svc.shm |= procs.shm_files(procs.group_pids(svc.proc.pid))
 
-    def failed(self) -> Service | None:
-        for svc in self.services:
-            if svc.proc.poll() is not None and not svc.expected_exit:
-                return svc
-        return None
-
     def signal(self, name_prefix: str, sig: int) -> None:
         for svc in self.services:
             if svc.name.startswith(name_prefix) and svc.proc.poll() is None:
@@ -420,12 +414,7 @@ def run(args) -> int:
     except (RuntimeError, TimeoutError) as e:
         print(f"dgrpo up: {e}", file=sys.stderr, flush=True)
     finally:
-        stack.stop_all(timeout=args.stop_timeout)
-        # A learner killed hard (third Ctrl-C) leaves its weight slots behind: reclaim dead owners' segments.
-        from dgrpo.weights.shm import reclaim_stale
-
-        if cfg.weights.transport == "shm":
-            reclaim_stale(cfg.weights.shm_dir)
+        stack.stop_all(timeout=args.stop_timeout)  # reaps every group; with shm, dead owners' weight slots too
         print(f"dgrpo up: stopped (exit {code}); logs in {run_dir / 'logs'}", flush=True)
     return code
 
