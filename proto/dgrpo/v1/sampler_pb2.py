@@ -24,35 +24,41 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x64grpo/v1/sampler.proto\x12\x08\x64grpo.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"7\n\x0c\x43hatMessages\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.dgrpo.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"~\n\x06Prompt\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12&\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x16.dgrpo.v1.ChatMessagesH\x00\x12\'\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x12.dgrpo.v1.TokenIdsH\x00\x42\x07\n\x05input\"\xf5\x01\n\x0eSamplingParams\x12\t\n\x01n\x18\x01 \x01(\r\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x06 \x01(\r\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x11\n\x04seed\x18\t \x01(\x03H\x04\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seed\"\x9b\x01\n\x0fGenerateRequest\x12!\n\x07prompts\x18\x01 \x03(\x0b\x32\x10.dgrpo.v1.Prompt\x12*\n\x08sampling\x18\x02 \x01(\x0b\x32\x18.dgrpo.v1.SamplingParams\x12\x1a\n\x12min_weight_version\x18\x03 \x01(\x04\x12\x1d\n\x15weight_wait_timeout_s\x18\x04 \x01(\x02\"\xc2\x01\n\nCompletion\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x0c\n\x04text\x18\x03 \x01(\t\x12-\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x16.dgrpo.v1.FinishReason\x12\x16\n\x0eweight_version\x18\x05 \x01(\x04\x12!\n\x14\x66irst_weight_version\x18\x06 \x01(\x04H\x00\x88\x01\x01\x42\x17\n\x15_first_weight_version\"s\n\x05Group\x12\x11\n\tprompt_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12)\n\x0b\x63ompletions\x18\x03 \x03(\x0b\x32\x14.dgrpo.v1.Completion\x12\x12\n\nreplica_id\x18\x04 \x01(\t\"\r\n\x0bInfoRequest\"\xdc\x01\n\x0bSamplerInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x12\n\nreplica_id\x18\x05 \x01(\t\x12\x16\n\x0eweight_version\x18\x06 \x01(\x04\x12\x18\n\x10running_requests\x18\x07 \x01(\r\x12\x18\n\x10waiting_requests\x18\x08 \x01(\r\x12\x12\n\nvocab_size\x18\t \x01(\r\x12\x14\n\x0c\x62usy_seconds\x18\n \x01(\x01*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32y\n\x07Sampler\x12\x38\n\x08Generate\x12\x19.dgrpo.v1.GenerateRequest\x1a\x0f.dgrpo.v1.Group0\x01\x12\x34\n\x04Info\x12\x15.dgrpo.v1.InfoRequest\x1a\x15.dgrpo.v1.SamplerInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x64grpo/v1/sampler.proto\x12\x08\x64grpo.v1\"b\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12&\n\ntool_calls\x18\x03 \x03(\x0b\x32\x12.dgrpo.v1.ToolCall\x12\x0c\n\x04name\x18\x04 \x01(\t\"+\n\x08ToolCall\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\targuments\x18\x02 \x01(\t\"7\n\x0c\x43hatMessages\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.dgrpo.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"~\n\x06Prompt\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12&\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x16.dgrpo.v1.ChatMessagesH\x00\x12\'\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x12.dgrpo.v1.TokenIdsH\x00\x42\x07\n\x05input\"\xf5\x01\n\x0eSamplingParams\x12\t\n\x01n\x18\x01 \x01(\r\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x06 \x01(\r\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x11\n\x04seed\x18\t \x01(\x03H\x04\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seed\"\xc4\x01\n\x0fGenerateRequest\x12!\n\x07prompts\x18\x01 \x03(\x0b\x32\x10.dgrpo.v1.Prompt\x12*\n\x08sampling\x18\x02 \x01(\x0b\x32\x18.dgrpo.v1.SamplingParams\x12\x1a\n\x12min_weight_version\x18\x03 \x01(\x04\x12\x1d\n\x15weight_wait_timeout_s\x18\x04 \x01(\x02\x12\'\n\nmulti_turn\x18\x05 \x01(\x0b\x32\x13.dgrpo.v1.MultiTurn\"\xab\x01\n\tMultiTurn\x12\x0e\n\x06\x65nable\x18\x01 \x01(\x08\x12\x1b\n\x13max_assistant_turns\x18\x02 \x01(\r\x12\x16\n\x0emax_tool_calls\x18\x03 \x01(\r\x12\x1b\n\x13max_response_length\x18\x04 \x01(\r\x12 \n\x18max_tool_response_length\x18\x05 \x01(\r\x12\x1a\n\x12tool_config_digest\x18\x06 \x01(\t\"\x82\x01\n\tTurnStats\x12\r\n\x05turns\x18\x01 \x01(\r\x12\x12\n\ntool_calls\x18\x02 \x01(\r\x12\x13\n\x0btool_errors\x18\x03 \x01(\r\x12\x15\n\rtool_timeouts\x18\x04 \x01(\r\x12\x14\n\x0ctool_seconds\x18\x05 \x01(\x01\x12\x10\n\x08\x65nded_by\x18\x06 \x01(\t\"\xa2\x02\n\nCompletion\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x0c\n\x04text\x18\x03 \x01(\t\x12-\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x16.dgrpo.v1.FinishReason\x12\x16\n\x0eweight_version\x18\x05 \x01(\x04\x12!\n\x14\x66irst_weight_version\x18\x06 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04mask\x18\x07 \x03(\r\x12\'\n\x08messages\x18\x08 \x03(\x0b\x32\x15.dgrpo.v1.ChatMessage\x12\'\n\nturn_stats\x18\t \x01(\x0b\x32\x13.dgrpo.v1.TurnStatsB\x17\n\x15_first_weight_version\"s\n\x05Group\x12\x11\n\tprompt_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12)\n\x0b\x63ompletions\x18\x03 \x03(\x0b\x32\x14.dgrpo.v1.Completion\x12\x12\n\nreplica_id\x18\x04 \x01(\t\"\r\n\x0bInfoRequest\"\xdc\x01\n\x0bSamplerInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x12\n\nreplica_id\x18\x05 \x01(\t\x12\x16\n\x0eweight_version\x18\x06 \x01(\x04\x12\x18\n\x10running_requests\x18\x07 \x01(\r\x12\x18\n\x10waiting_requests\x18\x08 \x01(\r\x12\x12\n\nvocab_size\x18\t \x01(\r\x12\x14\n\x0c\x62usy_seconds\x18\n \x01(\x01*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32y\n\x07Sampler\x12\x38\n\x08Generate\x12\x19.dgrpo.v1.GenerateRequest\x1a\x0f.dgrpo.v1.Group0\x01\x12\x34\n\x04Info\x12\x15.dgrpo.v1.InfoRequest\x1a\x15.dgrpo.v1.SamplerInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'dgrpo.v1.sampler_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1250
-  _globals['_FINISHREASON']._serialized_end=1370
+  _globals['_FINISHREASON']._serialized_start=1793
+  _globals['_FINISHREASON']._serialized_end=1913
   _globals['_CHATMESSAGE']._serialized_start=36
-  _globals['_CHATMESSAGE']._serialized_end=80
-  _globals['_CHATMESSAGES']._serialized_start=82
-  _globals['_CHATMESSAGES']._serialized_end=137
-  _globals['_TOKENIDS']._serialized_start=139
-  _globals['_TOKENIDS']._serialized_end=162
-  _globals['_PROMPT']._serialized_start=164
-  _globals['_PROMPT']._serialized_end=290
-  _globals['_SAMPLINGPARAMS']._serialized_start=293
-  _globals['_SAMPLINGPARAMS']._serialized_end=538
-  _globals['_GENERATEREQUEST']._serialized_start=541
-  _globals['_GENERATEREQUEST']._serialized_end=696
-  _globals['_COMPLETION']._serialized_start=699
-  _globals['_COMPLETION']._serialized_end=893
-  _globals['_GROUP']._serialized_start=895
-  _globals['_GROUP']._serialized_end=1010
-  _globals['_INFOREQUEST']._serialized_start=1012
-  _globals['_INFOREQUEST']._serialized_end=1025
-  _globals['_SAMPLERINFO']._serialized_start=1028
-  _globals['_SAMPLERINFO']._serialized_end=1248
-  _globals['_SAMPLER']._serialized_start=1372
-  _globals['_SAMPLER']._serialized_end=1493
+  _globals['_CHATMESSAGE']._serialized_end=134
+  _globals['_TOOLCALL']._serialized_start=136
+  _globals['_TOOLCALL']._serialized_end=179
+  _globals['_CHATMESSAGES']._serialized_start=181
+  _globals['_CHATMESSAGES']._serialized_end=236
+  _globals['_TOKENIDS']._serialized_start=238
+  _globals['_TOKENIDS']._serialized_end=261
+  _globals['_PROMPT']._serialized_start=263
+  _globals['_PROMPT']._serialized_end=389
+  _globals['_SAMPLINGPARAMS']._serialized_start=392
+  _globals['_SAMPLINGPARAMS']._serialized_end=637
+  _globals['_GENERATEREQUEST']._serialized_start=640
+  _globals['_GENERATEREQUEST']._serialized_end=836
+  _globals['_MULTITURN']._serialized_start=839
+  _globals['_MULTITURN']._serialized_end=1010
+  _globals['_TURNSTATS']._serialized_start=1013
+  _globals['_TURNSTATS']._serialized_end=1143
+  _globals['_COMPLETION']._serialized_start=1146
+  _globals['_COMPLETION']._serialized_end=1436
+  _globals['_GROUP']._serialized_start=1438
+  _globals['_GROUP']._serialized_end=1553
+  _globals['_INFOREQUEST']._serialized_start=1555
+  _globals['_INFOREQUEST']._serialized_end=1568
+  _globals['_SAMPLERINFO']._serialized_start=1571
+  _globals['_SAMPLERINFO']._serialized_end=1791
+  _globals['_SAMPLER']._serialized_start=1915
+  _globals['_SAMPLER']._serialized_end=2036
 # @@protoc_insertion_point(module_scope)

@@ -19,12 +19,24 @@ FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
 
 class ChatMessage(_message.Message):
-    __slots__ = ("role", "content")
+    __slots__ = ("role", "content", "tool_calls", "name")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
     role: str
     content: str
-    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+    tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
+    name: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., name: _Optional[str] = ...) -> None: ...
+
+class ToolCall(_message.Message):
+    __slots__ = ("name", "arguments")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    arguments: str
+    def __init__(self, name: _Optional[str] = ..., arguments: _Optional[str] = ...) -> None: ...
 
 class ChatMessages(_message.Message):
     __slots__ = ("messages",)
@@ -73,32 +85,72 @@ class SamplingParams(_message.Message):
     def __init__(self, n: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompts", "sampling", "min_weight_version", "weight_wait_timeout_s")
+    __slots__ = ("prompts", "sampling", "min_weight_version", "weight_wait_timeout_s", "multi_turn")
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MIN_WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_WAIT_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    MULTI_TURN_FIELD_NUMBER: _ClassVar[int]
     prompts: _containers.RepeatedCompositeFieldContainer[Prompt]
     sampling: SamplingParams
     min_weight_version: int
     weight_wait_timeout_s: float
-    def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., min_weight_version: _Optional[int] = ..., weight_wait_timeout_s: _Optional[float] = ...) -> None: ...
+    multi_turn: MultiTurn
+    def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., min_weight_version: _Optional[int] = ..., weight_wait_timeout_s: _Optional[float] = ..., multi_turn: _Optional[_Union[MultiTurn, _Mapping]] = ...) -> None: ...
+
+class MultiTurn(_message.Message):
+    __slots__ = ("enable", "max_assistant_turns", "max_tool_calls", "max_response_length", "max_tool_response_length", "tool_config_digest")
+    ENABLE_FIELD_NUMBER: _ClassVar[int]
+    MAX_ASSISTANT_TURNS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    MAX_RESPONSE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOOL_RESPONSE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CONFIG_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    enable: bool
+    max_assistant_turns: int
+    max_tool_calls: int
+    max_response_length: int
+    max_tool_response_length: int
+    tool_config_digest: str
+    def __init__(self, enable: _Optional[bool] = ..., max_assistant_turns: _Optional[int] = ..., max_tool_calls: _Optional[int] = ..., max_response_length: _Optional[int] = ..., max_tool_response_length: _Optional[int] = ..., tool_config_digest: _Optional[str] = ...) -> None: ...
+
+class TurnStats(_message.Message):
+    __slots__ = ("turns", "tool_calls", "tool_errors", "tool_timeouts", "tool_seconds", "ended_by")
+    TURNS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_TIMEOUTS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ENDED_BY_FIELD_NUMBER: _ClassVar[int]
+    turns: int
+    tool_calls: int
+    tool_errors: int
+    tool_timeouts: int
+    tool_seconds: float
+    ended_by: str
+    def __init__(self, turns: _Optional[int] = ..., tool_calls: _Optional[int] = ..., tool_errors: _Optional[int] = ..., tool_timeouts: _Optional[int] = ..., tool_seconds: _Optional[float] = ..., ended_by: _Optional[str] = ...) -> None: ...
 
 class Completion(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "text", "finish_reason", "weight_version", "first_weight_version")
+    __slots__ = ("token_ids", "logprobs", "text", "finish_reason", "weight_version", "first_weight_version", "mask", "messages", "turn_stats")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     FIRST_WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MASK_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    TURN_STATS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     text: str
     finish_reason: FinishReason
     weight_version: int
     first_weight_version: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., weight_version: _Optional[int] = ..., first_weight_version: _Optional[int] = ...) -> None: ...
+    mask: _containers.RepeatedScalarFieldContainer[int]
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    turn_stats: TurnStats
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., weight_version: _Optional[int] = ..., first_weight_version: _Optional[int] = ..., mask: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., turn_stats: _Optional[_Union[TurnStats, _Mapping]] = ...) -> None: ...
 
 class Group(_message.Message):
     __slots__ = ("prompt_id", "prompt_token_ids", "completions", "replica_id")
