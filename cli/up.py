@@ -17,8 +17,9 @@ to a dead replica go to the others or wait for it to come back, and a restarted 
 weights before it serves). When every sampler, or the rewarder, is given up, the learner is stopped first: it drops
 the step it cannot finish and keeps its last completed step in a checkpoint; then the rest is stopped and `up`
 exits 1. When the learner finishes, everything is stopped and a report is written. Ctrl-C (or SIGTERM) asks the
-learner to stop after its step (it checkpoints), a second one to drop the step in flight, a third kills it. SIGHUP
-is forwarded to the rewarder: it reloads its reward specification in place (hot swap) while training goes on.
+learner to stop after its step (it checkpoints, and the report covers the steps that ran), a second one to drop
+the step in flight, a third kills it. SIGHUP is forwarded to the rewarder: it reloads its reward specification in
+place (hot swap) while training goes on.
 """
 
 from __future__ import annotations
@@ -444,10 +445,10 @@ def _train(stack: Stack, cfg, args, run_dir: Path, sampler_ports, rewarder_port,
     progress.close()
     learner.expected_exit = True
     code = learner.proc.returncode
-    if code == 0 and not interrupted["count"]:
+    if code == 0:  # finished, or stopped by Ctrl-C after a step: the report covers the steps that ran
         from dgrpo.cli.report import write_report
 
-        write_report(run_dir, export_dir=cfg.learner.checkpoint.export_dir)
+        write_report(run_dir, export_dir=None if interrupted["count"] else cfg.learner.checkpoint.export_dir)
     return 130 if interrupted["count"] and code == 0 else code
 
 
