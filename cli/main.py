@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 def _sampler(cfg: StackConfig) -> int:
     from dgrpo.sampler.server import main
 
-    return main(cfg.model, cfg.sampler, cfg.weights, cfg.auth)
+    return main(cfg.model, cfg.sampler, cfg.weights, cfg.auth, cfg.learner.rollout.multi_turn)
 
 
 def _rewarder(cfg: StackConfig) -> int:

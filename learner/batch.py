@@ -48,6 +48,10 @@ class Sequence:
     in_loss: bool = True
     """False for a completion without a reward (a reward error, every function returned None, or an aborted
     completion): it keeps its group's shape but adds nothing to the loss, its denominator or the KL."""
+    tool_mask: list[int] | None = None
+    """Multi-turn trajectories: 1 per token the model sampled, 0 per tool-result or chat-template token between its
+    turns (Completion.mask). Mask-0 tokens stay in the sequence (the model reads them) but leave the loss, the KL,
+    the entropy and the importance weights: they are ANDed into MicroBatch.mask. None: every token is the model's."""
 
     def __post_init__(self) -> None:
         if not self.completion_ids:
@@ -58,6 +62,22 @@ class Sequence:
             raise ValueError(
                 f"sampler_logprobs has {len(self.sampler_logprobs)} values for {len(self.completion_ids)} tokens"
             )
+        if self.tool_mask is not None:
+            if len(self.tool_mask) != len(self.completion_ids):
+                raise ValueError(f"tool_mask has {len(self.tool_mask)} values for {len(self.completion_ids)} tokens")
+            if any(m not in (0, 1) for m in self.tool_mask):
+                raise ValueError("tool_mask holds values other than 0 and 1")
+
+    @property
+    def model_tokens(self) -> int:
+        """Completion tokens the model sampled: the ones the loss counts (all of them without a tool mask)."""
+        return len(self.completion_ids) if self.tool_mask is None else sum(self.tool_mask)
+
+    def completion_mask(self) -> torch.Tensor:
+        """[c] float: 1 where the loss sees the token."""
+        if self.tool_mask is None:
+            return torch.ones(len(self.completion_ids))
+        return torch.tensor(self.tool_mask, dtype=torch.float32)
 
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.completion_ids)
@@ -72,7 +92,7 @@ class MicroBatch:
     attention_mask: torch.Tensor | None  # [R, L] padded; None packed
     token_index: torch.Tensor  # [B, T] flat index into [R*L] of completion token t of sequence b (0 where pad)
     logit_index: torch.Tensor  # [B, T] flat index of the position predicting it (the first entry where pad)
-    mask: torch.Tensor  # [B, T] float, 1 on real completion tokens
+    mask: torch.Tensor  # [B, T] float, 1 on real completion tokens the model sampled (0: padding, tool tokens)
     advantages: torch.Tensor  # [B]
     sampler_logp: torch.Tensor | None  # [B, T] or None when any sequence lacks sampler logprobs
     truncated: torch.Tensor  # [B] bool
@@ -132,7 +152,7 @@ def collate(seqs: Seq[Sequence], indices: Seq[int], *, packed: bool, pad_id: int
             attention_mask[row, :n] = 1
         row_len = input_ids.shape[1]
         token_index[i, :c] = row * row_len + start + p + torch.arange(c)
-        mask[i, :c] = 1.0
+        mask[i, :c] = s.completion_mask()
         if sampler_logp is not None:
             sampler_logp[i, :c] = torch.tensor(s.sampler_logprobs)
         offset += n
@@ -179,7 +199,7 @@ def collate_shared_prompts(seqs: Seq[Sequence], indices: Seq[int]) -> MicroBatch
         token_index[i, :c] = start + torch.arange(c)
         logit_index[i, 0] = prompt_end - 1
         logit_index[i, 1:c] = start + torch.arange(c - 1)
-        mask[i, :c] = 1.0
+        mask[i, :c] = s.completion_mask()
         if sampler_logp is not None:
             sampler_logp[i, :c] = torch.tensor(s.sampler_logprobs)
     blk, vis = torch.tensor(block), torch.tensor(visible)  # [N]

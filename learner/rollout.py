@@ -31,6 +31,7 @@ from dgrpo.common import auth
 from dgrpo.common.config import StrictConfig
 from dgrpo.common.grpc_server import CHANNEL_OPTIONS
 from dgrpo.common.retry import Backoff
+from dgrpo.sampler.tools.config import MultiTurnConfig
 from dgrpo.v1 import sampler_pb2, sampler_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -89,6 +90,23 @@ class RolloutConfig(StrictConfig):
     """The reward service: host:port (or any gRPC target, e.g. dns:///rewarder:50052)."""
     reward_timeout_s: float = Field(default=600.0, gt=0)
     """Bound on scoring one group, waits for a restarting rewarder included."""
+    multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig)
+    """Multi-turn rollouts with tool calls (verl's rollout.multi_turn; docs/multi_turn.md). The samplers read this
+    same section of their stack config to load the tools; the learner sends the limits and the tool set's digest."""
+
+
+def multi_turn_request(cfg: MultiTurnConfig) -> sampler_pb2.MultiTurn | None:
+    """The GenerateRequest.multi_turn for this config (None when off). The digest is computed from the tool config
+    the learner reads: a replica whose tools differ answers FAILED_PRECONDITION instead of sampling with them."""
+    if not cfg.enable:
+        return None
+    from dgrpo.sampler.tools.spec import load_tool_config
+
+    return sampler_pb2.MultiTurn(
+        enable=True, max_assistant_turns=cfg.max_assistant_turns, max_tool_calls=cfg.max_tool_calls,
+        max_response_length=cfg.max_response_length or 0, max_tool_response_length=cfg.max_tool_response_length,
+        tool_config_digest=load_tool_config(cfg.tool_config_path).digest,
+    )
 
 
 class RolloutError(RuntimeError):
@@ -164,6 +182,7 @@ class RolloutClient:
             raise RolloutError("sampler.addresses is empty: give host:port entries or dns:///name:port")
         self.addresses, self.cfg, self._credentials = list(addresses), cfg, credentials
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self.multi_turn = multi_turn_request(cfg.multi_turn)
 
     def _stub(self, address: str) -> sampler_pb2_grpc.SamplerStub:
         if address not in self._channels:
@@ -243,6 +262,7 @@ class RolloutClient:
                 sampling=sampling,
                 min_weight_version=min_weight_version,
                 weight_wait_timeout_s=self.cfg.weight_wait_timeout_s,
+                multi_turn=self.multi_turn,
             )
             stats.calls += 1
             call = stub.Generate(request, timeout=self.cfg.request_timeout_s)

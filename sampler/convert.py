@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dgrpo.sampler.engine import CompletionResult, GroupResult, PromptInput, SamplingRequest
+from dgrpo.sampler.multi_turn import Message, MultiTurnRequest, TurnStats
 from dgrpo.v1 import sampler_pb2 as pb
 
 FINISH_TO_PB = {
@@ -48,22 +49,67 @@ def sampling_to_pb(s: SamplingRequest) -> pb.SamplingParams:
     return msg
 
 
+def multi_turn_from_pb(m: pb.GenerateRequest) -> MultiTurnRequest | None:
+    """GenerateRequest.multi_turn, or None when unset or not enabled (one completion per sample)."""
+    if not m.HasField("multi_turn") or not m.multi_turn.enable:
+        return None
+    t = m.multi_turn
+    return MultiTurnRequest(t.max_assistant_turns, t.max_tool_calls, t.max_response_length,
+                            t.max_tool_response_length, t.tool_config_digest)
+
+
+def multi_turn_to_pb(r: MultiTurnRequest) -> pb.MultiTurn:
+    return pb.MultiTurn(enable=True, max_assistant_turns=r.max_assistant_turns, max_tool_calls=r.max_tool_calls,
+                        max_response_length=r.max_response_length,
+                        max_tool_response_length=r.max_tool_response_length, tool_config_digest=r.tool_config_digest)
+
+
+def message_to_pb(m: Message) -> pb.ChatMessage:
+    return pb.ChatMessage(role=m.role, content=m.content, name=m.name,
+                          tool_calls=[pb.ToolCall(name=n, arguments=a) for n, a in m.tool_calls])
+
+
+def message_from_pb(m: pb.ChatMessage) -> Message:
+    return Message(m.role, m.content, [(c.name, c.arguments) for c in m.tool_calls], m.name)
+
+
+def completion_to_pb(c: CompletionResult) -> pb.Completion:
+    msg = pb.Completion(
+        token_ids=c.token_ids,
+        logprobs=c.logprobs,
+        text=c.text,
+        finish_reason=FINISH_TO_PB[c.finish_reason],
+        weight_version=c.weight_version,
+        first_weight_version=c.first_weight_version,
+        mask=c.mask or [],
+        messages=[message_to_pb(m) for m in c.messages or []],
+    )
+    if c.turn_stats is not None:
+        s = c.turn_stats
+        msg.turn_stats.CopyFrom(pb.TurnStats(turns=s.turns, tool_calls=s.tool_calls, tool_errors=s.tool_errors,
+                                             tool_timeouts=s.tool_timeouts, tool_seconds=s.tool_seconds,
+                                             ended_by=s.ended_by))
+    return msg
+
+
+def completion_from_pb(c: pb.Completion) -> CompletionResult:
+    s = c.turn_stats
+    return CompletionResult(
+        list(c.token_ids), list(c.logprobs), c.text, FINISH_FROM_PB[c.finish_reason], c.weight_version,
+        c.first_weight_version if c.HasField("first_weight_version") else None,
+        mask=list(c.mask) or None,
+        messages=[message_from_pb(m) for m in c.messages] or None,
+        turn_stats=TurnStats(s.turns, s.tool_calls, s.tool_errors, s.tool_timeouts, s.tool_seconds, s.ended_by)
+        if c.HasField("turn_stats") else None,
+    )
+
+
 def group_to_pb(g: GroupResult, replica_id: str) -> pb.Group:
     return pb.Group(
         prompt_id=g.prompt_id,
         prompt_token_ids=g.prompt_token_ids,
         replica_id=replica_id,
-        completions=[
-            pb.Completion(
-                token_ids=c.token_ids,
-                logprobs=c.logprobs,
-                text=c.text,
-                finish_reason=FINISH_TO_PB[c.finish_reason],
-                weight_version=c.weight_version,
-                first_weight_version=c.first_weight_version,
-            )
-            for c in g.completions
-        ],
+        completions=[completion_to_pb(c) for c in g.completions],
     )
 
 
@@ -71,10 +117,5 @@ def group_from_pb(g: pb.Group) -> GroupResult:
     return GroupResult(
         prompt_id=g.prompt_id,
         prompt_token_ids=list(g.prompt_token_ids),
-        completions=[
-            CompletionResult(list(c.token_ids), list(c.logprobs), c.text, FINISH_FROM_PB[c.finish_reason],
-                             c.weight_version,
-                             c.first_weight_version if c.HasField("first_weight_version") else None)
-            for c in g.completions
-        ],
+        completions=[completion_from_pb(c) for c in g.completions],
     )

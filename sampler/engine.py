@@ -15,10 +15,14 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from dgrpo.common.model_config import ModelConfig
 from dgrpo.sampler.config import SamplerConfig
+
+if TYPE_CHECKING:
+    from dgrpo.sampler.multi_turn import Message, MultiTurnRequest, ToolConversations, TurnStats
+    from dgrpo.sampler.tools.config import MultiTurnConfig
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +75,24 @@ class CompletionResult:
     """The last version that produced its tokens (read at completion)."""
     first_weight_version: int | None = None
     """The version loaded when the request was admitted (None: not recorded, e.g. from an older sampler)."""
+    mask: list[int] | None = None
+    """Multi-turn: 1 per model token, 0 per tool / template token (None: every token is the model's)."""
+    messages: list[Message] | None = None
+    """Multi-turn: the response as messages (assistant turns with their calls, tool results)."""
+    turn_stats: TurnStats | None = None
+    """Multi-turn: turns, tool calls, errors, timeouts, tool seconds, why it ended."""
+
+
+@dataclass
+class TurnOutput:
+    """One engine request of a multi-turn sample (n = 1)."""
+
+    token_ids: list[int]
+    logprobs: list  # vLLM's per-position {token id: Logprob}
+    text: str
+    finish_reason: FinishReason
+    prompt_token_ids: list[int]
+    """The ids the engine consumed for this turn (the tests check them against the conversation's ids)."""
 
 
 @dataclass
@@ -139,6 +161,14 @@ class SamplerEngine:
         self._busy_since: float | None = None
         self._busy_total = 0.0
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dgrpo-tokenize")
+        self.tools: ToolConversations | None = None
+        self.turn_log: list[TurnOutput] | None = None  # tests: set to a list to record every multi-turn engine turn
+
+    def enable_tools(self, multi_turn: MultiTurnConfig) -> None:
+        """Load this replica's tool set (from its own config) so Generate can serve multi-turn requests."""
+        from dgrpo.sampler.multi_turn import ToolConversations
+
+        self.tools = ToolConversations(multi_turn, self.tokenizer)
 
     @classmethod
     def create(cls, model_cfg: ModelConfig, cfg: SamplerConfig, model_path: str, device: str) -> SamplerEngine:
@@ -232,7 +262,7 @@ class SamplerEngine:
                 "(checked before tokenization)"
             )
 
-    async def tokenize_batch(self, prompts: Sequence[PromptInput]) -> list[list[int]]:
+    async def tokenize_batch(self, prompts: Sequence[PromptInput], tools: bool = False) -> list[list[int]]:
         """Size-check every prompt, then tokenize them off the event loop.
 
         Tokenizing long text takes seconds of CPU; on the event loop it would stall every other RPC (health checks
@@ -241,9 +271,16 @@ class SamplerEngine:
         for p in prompts:
             self.check_size(p)
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._tokenizer_thread, lambda: [self.tokenize(p) for p in prompts])
+        return await loop.run_in_executor(self._tokenizer_thread,
+                                          lambda: [self.tokenize(p, tools=tools) for p in prompts])
 
-    def tokenize(self, prompt: PromptInput) -> list[int]:
+    async def in_tokenizer_thread(self, fn, *args):
+        """Run tokenizer work (`fn(*args)`) on the tokenizer's one thread, off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn, *args)
+
+    def tokenize(self, prompt: PromptInput, tools: bool = False) -> list[int]:
+        """Prompt ids; with `tools`, the tool instructions of the replica's tool set are part of the prompt (chat:
+        rendered by the template; token ids: a system turn before them; raw text: as is)."""
         given = [x is not None for x in (prompt.text, prompt.chat, prompt.token_ids)]
         if sum(given) != 1:
             raise InvalidRequest(f"prompt {prompt.id!r}: set exactly one of text, chat, token_ids")
@@ -254,6 +291,8 @@ class SamplerEngine:
                 raise InvalidRequest(
                     f"prompt {prompt.id!r}: token ids {bad[:5]} outside the vocabulary (size {self.vocab_size})"
                 )
+            if tools and ids:
+                ids = self.tools.template.token_prompt(ids)
         elif prompt.chat is not None:
             if not prompt.chat:
                 raise InvalidRequest(f"prompt {prompt.id!r}: chat has no messages")
@@ -261,7 +300,10 @@ class SamplerEngine:
                 if role not in CHAT_ROLES:
                     raise InvalidRequest(f"prompt {prompt.id!r}: unknown chat role {role!r} (use one of {CHAT_ROLES})")
             messages = [{"role": r, "content": c} for r, c in prompt.chat]
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            if tools:
+                ids = self.tools.template.chat_prompt(messages)
+            else:
+                ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
             if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding
                 ids = list(ids["input_ids"])
         else:
@@ -275,22 +317,23 @@ class SamplerEngine:
             )
         return ids
 
-    def _vllm_params(self, s: SamplingRequest):
+    def _vllm_params(self, s: SamplingRequest, *, n: int | None = None, max_tokens: int | None = None,
+                     seed: int | None = None):
         """vLLM's SamplingParams; what vLLM itself refuses (n above its limit, greedy with n > 1, ...) -> InvalidRequest."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         try:
             return SamplingParams(
-                n=s.n,
+                n=s.n if n is None else n,
                 temperature=s.temperature,
                 top_p=s.top_p,
                 top_k=s.top_k,  # 0 = off, as in vLLM
                 min_p=s.min_p,
-                max_tokens=s.max_tokens,
+                max_tokens=s.max_tokens if max_tokens is None else max_tokens,
                 stop=list(s.stop) or None,
                 stop_token_ids=list(s.stop_token_ids) or None,
-                seed=s.seed,
+                seed=s.seed if seed is None else seed,
                 logprobs=0,  # the sampled token's logprob only
                 output_kind=RequestOutputKind.FINAL_ONLY,  # the group is streamed once all n are done
             )
@@ -299,9 +342,9 @@ class SamplerEngine:
                 raise InvalidRequest(f"sampling: vLLM rejected the parameters: {e}") from None
             raise
 
-    async def _sample_group(self, prompt_id: str, ids: list[int], params) -> GroupResult:
+    async def _run(self, prompt_id: str, ids: list[int], params):
+        """One engine request to its final output; engine death and vLLM's refusals become typed errors."""
         final = None
-        first_version = self._weight_version  # no token of this request comes from an older version
         try:
             async for out in self.llm.generate({"prompt_token_ids": ids}, params, f"{prompt_id}-{uuid.uuid4().hex[:12]}"):
                 final = out
@@ -313,6 +356,36 @@ class SamplerEngine:
             raise
         if final is None:
             raise EngineUnavailable(f"prompt {prompt_id!r}: the engine returned no output (shutting down?)")
+        return final
+
+    async def run_turn(self, request_id: str, ids: list[int], sampling: SamplingRequest, max_tokens: int,
+                       seed: int | None) -> TurnOutput:
+        """One assistant turn of a multi-turn sample: n = 1, at most `max_tokens` new tokens."""
+        params = self._vllm_params(sampling, n=1, max_tokens=max_tokens, seed=seed)
+        final = await self._run(request_id, ids, params)
+        c = final.outputs[0]
+        out = TurnOutput(list(c.token_ids), list(c.logprobs or []), c.text, finish_reason(c.finish_reason),
+                         list(final.prompt_token_ids or []))
+        if self.turn_log is not None:
+            self.turn_log.append(out)
+        return out
+
+    async def _sample_conversations(self, prompt_id: str, ids: list[int], sampling: SamplingRequest,
+                                    multi_turn: MultiTurnRequest) -> GroupResult:
+        """The n samples of a prompt, each its own conversation (they share the prompt through the prefix cache)."""
+        first = self._weight_version
+        seeds = [None if sampling.seed is None else sampling.seed + 1_000_003 * i for i in range(sampling.n)]
+        completions = await asyncio.gather(*[
+            self.tools.conversation(self, f"{prompt_id}-s{i}", ids, sampling, multi_turn, seeds[i])
+            for i in range(sampling.n)
+        ])
+        for c in completions:
+            c.first_weight_version = first
+        return GroupResult(prompt_id, ids, list(completions))
+
+    async def _sample_group(self, prompt_id: str, ids: list[int], params) -> GroupResult:
+        first_version = self._weight_version  # no token of this request comes from an older version
+        final = await self._run(prompt_id, ids, params)
         # Read at completion: updates pause generation in "wait" mode (in-flight requests finish on the old
         # weights) and record the new version before resuming, so this is the version that produced every token;
         # in "keep" mode requests continue on the new weights, so their tokens span first_version..version.
@@ -332,8 +405,10 @@ class SamplerEngine:
         sampling: SamplingRequest,
         min_weight_version: int = 0,
         weight_wait_timeout_s: float | None = None,
+        multi_turn: MultiTurnRequest | None = None,
     ) -> AsyncIterator[GroupResult]:
-        """Yield one GroupResult per prompt in completion order. Closing the iterator aborts what is left."""
+        """Yield one GroupResult per prompt in completion order. Closing the iterator aborts what is left.
+        With `multi_turn`, each sample is a conversation with this replica's tools (dgrpo.sampler.multi_turn)."""
         if not self._accepting:
             raise EngineUnavailable("sampler is shutting down")
         if not prompts:
@@ -350,10 +425,24 @@ class SamplerEngine:
                                  ">= 0 (0: the sampler's weight_wait_timeout_s)")
         validate_sampling(sampling, self.vocab_size)
         params = self._vllm_params(sampling)
-        token_ids = await self.tokenize_batch(prompts)
+        if multi_turn is not None:
+            from dgrpo.sampler.multi_turn import ToolsUnavailable
+
+            if self.tools is None:
+                raise ToolsUnavailable("multi_turn requested, but this replica has no tools (its config's "
+                                       "learner.rollout.multi_turn.enable is false or tool_config_path unset)")
+            try:
+                self.tools.check(multi_turn)
+            except ValueError as e:
+                raise InvalidRequest(str(e)) from None
+        token_ids = await self.tokenize_batch(prompts, tools=multi_turn is not None)
         if min_weight_version:
             await self.wait_for_version(min_weight_version, weight_wait_timeout_s or self.cfg.weight_wait_timeout_s)
-        tasks = [asyncio.create_task(self._sample_group(p.id, ids, params)) for p, ids in zip(prompts, token_ids)]
+        if multi_turn is not None:
+            tasks = [asyncio.create_task(self._sample_conversations(p.id, ids, sampling, multi_turn))
+                     for p, ids in zip(prompts, token_ids)]
+        else:
+            tasks = [asyncio.create_task(self._sample_group(p.id, ids, params)) for p, ids in zip(prompts, token_ids)]
         self._active.update(tasks)
         self._note_busy()
         for t in tasks:
@@ -418,4 +507,6 @@ class SamplerEngine:
 
     def shutdown(self) -> None:
         self.llm.shutdown()
+        if self.tools is not None:
+            self.tools.close()
         self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)

@@ -23,6 +23,7 @@ from dgrpo.weights.config import WeightSyncConfig
 
 if TYPE_CHECKING:
     from dgrpo.sampler.servicer import SamplerServicer
+    from dgrpo.sampler.tools.config import MultiTurnConfig
 
 SERVICE_NAME = "dgrpo.v1.Sampler"
 log = logging.getLogger("dgrpo.sampler")
@@ -63,8 +64,10 @@ def create_server(config: SamplerConfig,
 
 
 async def serve(model: ModelConfig, sampler: SamplerConfig, weights: WeightSyncConfig,
-                credentials: Credentials | None = None) -> int:
-    """Run one replica until SIGTERM/SIGINT."""
+                credentials: Credentials | None = None, multi_turn: MultiTurnConfig | None = None) -> int:
+    """Run one replica until SIGTERM/SIGINT. With `multi_turn` enabled, the replica loads the tool set named by
+    its `tool_config_path` (the stack config's learner.rollout.multi_turn: the same file the learner's digest is
+    computed from) and serves multi-turn requests."""
     from dgrpo.common.models import resolve_model_path
     from dgrpo.sampler.engine import SamplerEngine
     from dgrpo.sampler.metrics import SamplerMetrics
@@ -80,6 +83,8 @@ async def serve(model: ModelConfig, sampler: SamplerConfig, weights: WeightSyncC
     log.info("loading %s on %s (replica %s, port %d)", model_path, device, replica_id, port)
 
     engine = SamplerEngine.create(model, sampler, model_path, device)
+    if multi_turn is not None and multi_turn.enable:
+        engine.enable_tools(multi_turn)  # a bad tool config or an unavailable sandbox fails here, before serving
     metrics = SamplerMetrics(replica_id)
     servicer.attach(engine, replica_id, metrics)
 
@@ -122,7 +127,8 @@ async def serve(model: ModelConfig, sampler: SamplerConfig, weights: WeightSyncC
     return 1 if died else 0
 
 
-def main(model: ModelConfig, sampler: SamplerConfig, weights: WeightSyncConfig, auth: AuthConfig | None = None) -> int:
+def main(model: ModelConfig, sampler: SamplerConfig, weights: WeightSyncConfig, auth: AuthConfig | None = None,
+         multi_turn: MultiTurnConfig | None = None) -> int:
     """`dgrpo sampler`: the device environment first (vLLM reads it at import), then serve."""
     setup_logging("sampler")
     credentials = (auth or AuthConfig()).credentials()  # an unreadable token or TLS file fails before the engine loads
@@ -133,4 +139,4 @@ def main(model: ModelConfig, sampler: SamplerConfig, weights: WeightSyncConfig, 
     if device == "cpu":
         env.update(devices.cpu_thread_binding(sampler.cpu_cores))
     os.environ.update(env)  # before vLLM is imported
-    return asyncio.run(serve(model, sampler, weights, credentials))
+    return asyncio.run(serve(model, sampler, weights, credentials, multi_turn))

@@ -6,9 +6,10 @@ import logging
 
 import grpc
 
-from dgrpo.sampler.convert import group_to_pb, prompt_from_pb, sampling_from_pb
+from dgrpo.sampler.convert import group_to_pb, multi_turn_from_pb, prompt_from_pb, sampling_from_pb
 from dgrpo.sampler.engine import EngineUnavailable, InvalidRequest, SamplerEngine, WeightVersionTimeout
 from dgrpo.sampler.metrics import SamplerMetrics
+from dgrpo.sampler.multi_turn import ToolsUnavailable
 from dgrpo.v1 import sampler_pb2 as pb
 from dgrpo.v1 import sampler_pb2_grpc
 
@@ -43,14 +44,20 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
         outcome = "ok"
         try:
             async for group in self.engine.generate(
-                prompts, sampling, request.min_weight_version, request.weight_wait_timeout_s or None
+                prompts, sampling, request.min_weight_version, request.weight_wait_timeout_s or None,
+                multi_turn=multi_turn_from_pb(request),
             ):
                 self.metrics.groups.inc()
-                self.metrics.generated_tokens.inc(sum(len(c.token_ids) for c in group.completions))
+                # Tokens the model sampled (a multi-turn trajectory's tool and template tokens are not generated).
+                self.metrics.generated_tokens.inc(sum(sum(c.mask) if c.mask else len(c.token_ids)
+                                                      for c in group.completions))
                 yield group_to_pb(group, self.replica_id)
         except InvalidRequest as e:
             outcome = "invalid"
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _details(e))
+        except ToolsUnavailable as e:
+            outcome = "no_tools"
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, _details(e))
         except WeightVersionTimeout as e:
             outcome = "fenced"
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, _details(e))
