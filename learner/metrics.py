@@ -54,6 +54,37 @@ class StepTimer:
         return out, bottleneck
 
 
+ENDED_BY = ("answer", "max_assistant_turns", "max_tool_calls", "max_response_length", "abort")
+
+
+def multi_turn_metrics(completions: list) -> dict[str, float]:
+    """Per-step figures of multi-turn trajectories (sampler_pb2.Completion with turn_stats; {} when none has them):
+    turns and tool calls per sample, the share of samples that called a tool, tool errors and timeouts, time in tools
+    (summed over samples: calls of different samples run concurrently), tokens masked out of the loss, and why the
+    conversations ended (fractions)."""
+    multi = [c for c in completions if c.HasField("turn_stats")]
+    if not multi:
+        return {}
+    n = len(multi)
+    stats = [c.turn_stats for c in multi]
+    tokens = sum(len(c.token_ids) for c in multi)
+    masked = sum(len(c.mask) - sum(c.mask) for c in multi)
+    out = {
+        "multi_turn/turns_mean": sum(s.turns for s in stats) / n,
+        "multi_turn/tool_calls_mean": sum(s.tool_calls for s in stats) / n,
+        "multi_turn/tool_call_rate": sum(s.tool_calls > 0 for s in stats) / n,
+        "multi_turn/tool_errors": float(sum(s.tool_errors for s in stats)),
+        "multi_turn/tool_timeouts": float(sum(s.tool_timeouts for s in stats)),
+        "multi_turn/tool_s": sum(s.tool_seconds for s in stats),
+        "multi_turn/tool_s_per_call": sum(s.tool_seconds for s in stats) / max(sum(s.tool_calls for s in stats), 1),
+        "multi_turn/masked_tokens": float(masked),
+        "multi_turn/masked_frac": masked / max(tokens, 1),
+    }
+    for reason in ENDED_BY:
+        out[f"multi_turn/ended_by/{reason}"] = sum(s.ended_by == reason for s in stats) / n
+    return out
+
+
 def _fmt(metrics: dict[str, Any], key: str, spec: str = ".3f", label: str | None = None) -> str | None:
     value = metrics.get(key)
     return None if value is None else f"{label or key.split('/')[-1]} {value:{spec}}"
@@ -67,6 +98,7 @@ def console_line(step: int, total: int, metrics: dict[str, float], bottleneck: s
     for key, spec, label in [
         ("reward/accuracy", ".3f", "acc"), ("actor/kl", ".4f", "kl"), ("actor/entropy", ".3f", "entropy"),
         ("response/length_mean", ".1f", "len"), ("actor/grad_norm", ".3f", "gnorm"), ("val/reward_mean", ".3f", "val"),
+        ("multi_turn/tool_call_rate", ".2f", "tool calls"),
     ]:
         text = _fmt(metrics, key, spec, label)
         if text:
