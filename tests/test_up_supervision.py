@@ -1,7 +1,10 @@
-"""`dgrpo up` keeps the run through lost services, as a fault injector would try it: kill -9 of a sampler replica and
-of the rewarder mid-run in asynchronous mode (restarted, training goes on, nothing lost or repeated, the dead process
-group and its shared memory reaped), and the loss of the only sampler with no restart left (the learner drops the step it cannot finish,
-keeps the last completed one in a checkpoint, `up` exits 1 and leaves nothing running).
+"""`dgrpo up` for real (rewarder, two sampler replicas and the learner as processes, the tiny model for speed: the
+topology users run with `docker compose --scale sampler=2`), and kept running through lost services as a fault
+injector would try it: kill -9 of a sampler replica and of the rewarder mid-run in asynchronous mode (restarted,
+training goes on, nothing lost or repeated, the dead process group and its shared memory reaped), the reward swapped
+in place with the run's token, Ctrl-C (a checkpoint and the report). Then the loss of the only sampler with no
+restart left (the learner drops the step it cannot finish, keeps the last completed one in a checkpoint, `up` exits
+1 and leaves nothing running).
 """
 
 from __future__ import annotations
@@ -78,12 +81,17 @@ def test_killed_sampler_and_rewarder_are_restarted_and_training_goes_on(tiny_mod
         wait_for(lambda: _steps_logged(metrics)[-1] >= back_at + 2, 300, "no steps after the restart", proc, log)
 
         # The reward swapped in place while batches are sampled ahead: later steps are scored by the new spec.
+        # `up` made a token for the run (none was configured): Reload without it is refused, with it served.
         token = (run_dir / "token").read_text().strip()
+        assert (run_dir / "token").stat().st_mode & 0o777 == 0o600
         with grpc.insecure_channel(f"127.0.0.1:{stack['rewarder']['port']}") as channel:
-            reply = rewarder_pb2_grpc.RewarderStub(channel).Reload(
-                rewarder_pb2.ReloadRequest(spec_text=SWAPPED_SPEC), timeout=60,
-                metadata=[("authorization", f"Bearer {token}")])
-        assert reply.spec.name == "swapped"
+            stub = rewarder_pb2_grpc.RewarderStub(channel)
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.Reload(rewarder_pb2.ReloadRequest(spec_text=SWAPPED_SPEC), timeout=60)
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            reply = stub.Reload(rewarder_pb2.ReloadRequest(spec_text=SWAPPED_SPEC), timeout=60,
+                                metadata=[("authorization", f"Bearer {token}")])
+        assert reply.spec.name == "swapped" and reply.previous.name != "swapped"
         swapped_at = _steps_logged(metrics)[-1]
         wait_for(lambda: _steps_logged(metrics)[-1] >= swapped_at + 3, 300, "no steps after the swap", proc, log)
         proc.send_signal(signal.SIGINT)  # stop after the step in progress
@@ -104,6 +112,14 @@ def test_killed_sampler_and_rewarder_are_restarted_and_training_goes_on(tiny_mod
     spec_versions = [r["reward/spec_version_max"] for r in records]
     assert spec_versions == sorted(spec_versions) and spec_versions[-1] > spec_versions[swapped_at - 1]
     assert (tmp_path / "ckpt").is_dir() and list((tmp_path / "ckpt").glob("step_*"))  # the Ctrl-C checkpoint
+    # Both replicas loaded the last published version before the learner let its weight slots go.
+    for replica in ("sampler-0", "sampler-1"):
+        assert f"loaded weight version {steps[-1]}" in (run_dir / "logs" / f"{replica}.log").read_text(), replica
+    assert "swapped" in (run_dir / "logs" / "rewarder.log").read_text()
+    # The report of the steps that ran; everything stopped; no weight segment left in /dev/shm.
+    assert (run_dir / "report.png").stat().st_size > 10_000
+    assert "mean reward, first" in log.read_text()
+    assert not list(Path("/dev/shm").glob("dgrpo-w-sup*"))
 
 
 def test_losing_the_only_sampler_keeps_the_last_completed_step(tiny_model, tmp_path):
