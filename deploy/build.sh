@@ -11,7 +11,8 @@
 #   used inside the build through BuildKit secrets and a loopback HTTP server (deploy/pip_context.py), so nothing
 #   of it lands in a layer. --no-host-pip builds with the Dockerfile's own defaults (PyPI + PyTorch's CPU index).
 # - Prints each image's build time and size. Rebuilds are incremental: dependency layers depend on
-#   pyproject.toml alone, and pip's download cache is a BuildKit cache mount.
+#   pyproject.toml alone, and pip's download cache is a BuildKit cache mount. The image a rebuild replaces is
+#   removed, and build cache unused for a week is pruned, so CI rebuilding on one machine does not fill its disk.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -108,6 +109,7 @@ for variant in "${VARIANTS[@]}"; do
   tag="${TAG:-dgrpo:$variant}"
   log "$tag from $base"
   t0=$SECONDS
+  previous=$("$DOCKER" image inspect -f '{{.Id}}' "$tag" 2>/dev/null || true)
   "${BUILD[@]}" -f "deploy/Dockerfile.$variant" -t "$tag" --build-arg "BASE_IMAGE=$base" \
     ${PIP_ARGS[@]+"${PIP_ARGS[@]}"} ${NO_CACHE[@]+"${NO_CACHE[@]}"} --progress=plain . 2>&1 \
     | sed -u 's/^/[docker] /'
@@ -115,5 +117,12 @@ for variant in "${VARIANTS[@]}"; do
   size=$("$DOCKER" image inspect -f '{{.Size}}' "$tag")
   SUMMARY[$variant]="$tag: built in ${seconds} s, $((size / 1000000)) MB (base $base)"
   log "${SUMMARY[$variant]}"
+  # The image this build replaced is left untagged (4-5 GB each): remove it unless a container still uses it.
+  if [ -n "$previous" ] && [ "$previous" != "$("$DOCKER" image inspect -f '{{.Id}}' "$tag")" ]; then
+    "$DOCKER" image rm "$previous" >/dev/null 2>&1 && log "removed the image it replaced (${previous:7:12})" || true
+  fi
 done
+# Build cache nobody used for a week goes, so repeated builds on one machine do not fill its disk; the layers of
+# the current images stay cached.
+"$DOCKER" builder prune -f --filter until=168h >/dev/null 2>&1 || true
 for variant in "${VARIANTS[@]}"; do log "${SUMMARY[$variant]}"; done
