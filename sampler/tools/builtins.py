@@ -10,12 +10,14 @@ import ast
 import contextlib
 import io
 import operator
+import re
 import traceback
 from decimal import Decimal, DivisionByZero, InvalidOperation, localcontext
 
 MAX_EXPRESSION_CHARS = 1000
 MAX_INT_DIGITS = 1000  # results and operands beyond this are refused
 MAX_EXPONENT = 10_000
+_THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
 
 _BIN = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
         ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
@@ -76,7 +78,8 @@ def calculator(expression: str) -> str:
     """Evaluate an arithmetic expression exactly; returns the result as text."""
     if not isinstance(expression, str):
         raise CalculatorError("expression must be a string")
-    expr = expression.strip().replace("^", "**").replace("\u00d7", "*").replace("\u00f7", "/").replace(",", "")
+    expr = expression.strip().replace("^", "**").replace("\u00d7", "*").replace("\u00f7", "/")
+    expr = _THOUSANDS.sub("", expr)  # 1,234,567 -> 1234567; other commas stay (and are refused)
     if not expr:
         raise CalculatorError("empty expression")
     if len(expr) > MAX_EXPRESSION_CHARS:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import inspect
 import json
 import os
 import resource
@@ -314,10 +315,15 @@ def _tool_main(req: dict, out_fd: int, layers: list[str]) -> None:
         args = dict(req["arguments"])
         if req["target"] == {"kind": "builtin", "target": "python"}:
             args["_output_limit"] = req["limits"]["max_output_chars"]
-        value = fn(**args)
-        text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str)
-        text, cut = _truncate(text, req["limits"]["max_output_chars"], req["limits"]["truncate_side"])
-        result = {"ok": True, "text": text, "error": "output_truncated" if cut else None}
+        try:
+            inspect.signature(fn).bind(**args)
+        except TypeError as e:
+            result = {"ok": False, "text": f"bad arguments: {e}", "error": "bad_arguments"}
+        else:
+            value = fn(**args)
+            text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str)
+            text, cut = _truncate(text, req["limits"]["max_output_chars"], req["limits"]["truncate_side"])
+            result = {"ok": True, "text": text, "error": "output_truncated" if cut else None}
     except MemoryError:
         result = {"ok": False, "text": f"memory limit of {req['limits']['memory_mb']} MB exceeded", "error": "memory"}
     except BaseException as e:  # noqa: BLE001 - any failure of the tool is its answer, for the model to read

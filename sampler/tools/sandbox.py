@@ -72,6 +72,8 @@ def check_arguments(spec: ToolSpec, args: dict) -> str | None:
         if types and not any(t in _JSON_TYPES and isinstance(v, _JSON_TYPES[t]) and not (
                 t in ("integer", "number") and isinstance(v, bool)) for t in types):
             return f"argument {k} of {spec.name} must be {' or '.join(types)}, got {type(v).__name__}"
+        if "enum" in props[k] and v not in props[k]["enum"]:
+            return f"argument {k} of {spec.name} must be one of {props[k]['enum']}, got {v!r}"
     return None
 
 

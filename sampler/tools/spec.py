@@ -196,6 +196,11 @@ def _spec_from_entry(path: Path, entry: dict) -> ToolSpec:
             raise _Bad("tool_schema must be {type: function, function: {name, description, parameters}}")
         fn = schema["function"]
     name, desc, params = _check_schema(fn)
+    if kind == "builtin":
+        want = set(DEFAULT_SCHEMAS[target]["parameters"]["properties"])
+        if set(params.get("properties", {})) != want:
+            raise _Bad(f"the {target} built-in takes exactly the argument(s) {', '.join(sorted(want))}; the schema "
+                       f"declares {', '.join(sorted(params.get('properties', {}))) or 'none'}")
     return ToolSpec(name=name, description=desc, parameters=params, kind=kind, target=target)
 
 
