@@ -91,7 +91,6 @@ class ToolRunner:
         base = _UID_BASE + (os.getpid() % 100_000) * 4096
         self._free_uids = list(range(base + 4095, base - 1, -1)) if self._root else []
         self._seq = 0
-        self._closed = False
         self.isolation = self._probe()
 
     # --- isolation check ---
@@ -201,13 +200,11 @@ class ToolRunner:
         return path
 
     def close(self) -> None:
-        """Remove the scratch folders of calls still running elsewhere is their own job; this drops the root if empty."""
-        self._closed = True
+        """Drop the scratch root if no call is using it (each call removes its own folder when it ends)."""
         try:
             self.scratch_root.rmdir()
         except OSError:
             pass
-
 
 
 def _pids_of_uid(uid: int) -> list[int]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -147,3 +148,27 @@ def test_python_tool_in_process_returns_stdout_then_stderr_tail():
     assert "sandbox" not in out  # our own frames are not shown to the model
     tail = python("for i in range(10000): print(i)", _output_limit=50)
     assert tail.endswith("9999\n") and "characters cut" in tail
+
+
+@pytest.mark.slow  # imports vLLM's server stack (~13 s)
+def test_parser_agrees_with_vllms_hermes_parser_on_well_formed_turns():
+    from vllm.tool_parsers.hermes_tool_parser import Hermes2ProToolParser
+
+    from dgrpo.sampler.tools.parser import TOOL_CALL_RE
+
+    assert TOOL_CALL_RE.pattern == Hermes2ProToolParser.tool_call_regex.pattern
+    vllm_parser = Hermes2ProToolParser(tokenizer=object())  # the non-streaming path uses neither tokenizer nor request
+    turns = [
+        "no call at all",
+        'Sure.\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "12*34"}}\n</tool_call>',
+        ('<tool_call>{"name": "a", "arguments": {"x": [1, 2]}}</tool_call>\n<tool_call>{"name": "b", "arguments": '
+        '{"s": "é <b>"}}</tool_call>'),
+        'thinking <tool_call>{"name": "a", "arguments": {}}',  # unclosed: stopped on </tool_call>
+    ]
+    for text in turns:
+        theirs = vllm_parser.extract_tool_calls(text, request=None)
+        ours = parse_tool_calls(text)
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in theirs.tool_calls] == [
+            (c.name, c.arguments) for c in ours.calls]
+        assert (theirs.content or "") == ours.content
+        assert ours.errors == []

@@ -7,7 +7,10 @@ of the call is left), so a sandbox that silently let the tool through fails the 
 from __future__ import annotations
 
 import os
+import shutil
 import socket
+import subprocess
+import sys
 import textwrap
 import threading
 import time
@@ -232,3 +235,24 @@ def test_process_level_says_it_is_unconfined(tmp_path):
     r = ToolRunner(builtin_toolset("calculator"), ToolLimits(timeout_s=2), tmp_path / "s", sandbox="process")
     assert r.isolation.startswith("process: ") and "NOT confined" in r.isolation
     assert r.run(ToolCall("calculator", {"expression": "6*7"}, "")).text == "42"
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root and setpriv")
+def test_strict_refuses_to_start_without_cap_sys_admin(tmp_path):
+    """Root without CAP_SYS_ADMIN (docker's default) cannot build the namespaces: strict refuses, process runs."""
+    script = ("from dgrpo.sampler.tools import ToolRunner, ToolLimits, SandboxUnavailable\n"
+              "from dgrpo.sampler.tools.spec import builtin_toolset\n"
+              "import sys\n"
+              "try:\n"
+              f"    ToolRunner(builtin_toolset('calculator'), ToolLimits(), {str(tmp_path / 'a')!r})\n"
+              "    print('STARTED')\n"
+              "except SandboxUnavailable as e:\n"
+              "    print('REFUSED', e)\n"
+              f"r = ToolRunner(builtin_toolset('calculator'), ToolLimits(), {str(tmp_path / 'b')!r}, sandbox='process')\n"
+              "print(r.isolation)\n")
+    out = subprocess.run(["setpriv", "--bounding-set", "-sys_admin", "--inh-caps", "-sys_admin", sys.executable, "-c",
+                          script], check=False, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    first, second = out.stdout.splitlines()[:2]
+    assert first.startswith("REFUSED strict tool sandbox unavailable here") and "sandbox=process" in first
+    assert second.startswith("process: ")
