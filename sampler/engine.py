@@ -163,6 +163,9 @@ class SamplerEngine:
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dgrpo-tokenize")
         self.tools: ToolConversations | None = None
         self.turn_log: list[TurnOutput] | None = None  # tests: set to a list to record every multi-turn engine turn
+        self.turn_regex: dict[int, str] = {}
+        """Test seam: turn index -> a regex the turn's tokens must match (vLLM structured outputs). The bundled 135M
+        model rarely calls a tool on its own; the tests force a call this way to exercise the loop."""
 
     def enable_tools(self, multi_turn: MultiTurnConfig) -> None:
         """Load this replica's tool set (from its own config) so Generate can serve multi-turn requests."""
@@ -362,6 +365,11 @@ class SamplerEngine:
                        seed: int | None) -> TurnOutput:
         """One assistant turn of a multi-turn sample: n = 1, at most `max_tokens` new tokens."""
         params = self._vllm_params(sampling, n=1, max_tokens=max_tokens, seed=seed)
+        turn = int(request_id.rsplit("-t", 1)[1])
+        if turn in self.turn_regex:
+            from vllm.sampling_params import StructuredOutputsParams
+
+            params.structured_outputs = StructuredOutputsParams(regex=self.turn_regex[turn])
         final = await self._run(request_id, ids, params)
         c = final.outputs[0]
         out = TurnOutput(list(c.token_ids), list(c.logprobs or []), c.text, finish_reason(c.finish_reason),

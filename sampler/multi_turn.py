@@ -166,8 +166,7 @@ class ToolConversations:
         if scratch_root is None:
             self._scratch = tempfile.TemporaryDirectory(prefix="dgrpo-tools-")
             scratch_root = self._scratch.name
-        runner_kwargs = {"sandbox": cfg.sandbox} if _accepts(ToolRunner, "sandbox") else {}
-        self.runner = ToolRunner(self.toolset, cfg.limits(), scratch_root, **runner_kwargs)
+        self.runner = ToolRunner(self.toolset, cfg.limits(), scratch_root, sandbox=cfg.sandbox)
         self.pool = ThreadPoolExecutor(max_workers=cfg.tool_workers, thread_name_prefix="dgrpo-tool")
         log.info("tools %s (digest %s, isolation: %s, %s template tools)", sorted(self.toolset.specs),
                  self.toolset.digest[:12], self.runner.isolation, "native" if self.template.native_tools else "Hermes")
@@ -277,11 +276,3 @@ class ToolConversations:
         return CompletionResult(ids, logprobs, last, finish, engine.weight_version, first_version,
                                 mask=mask, messages=messages, turn_stats=stats)
 
-
-def _accepts(cls, name: str) -> bool:
-    import inspect
-
-    try:
-        return name in inspect.signature(cls).parameters
-    except (TypeError, ValueError):
-        return False
