@@ -41,6 +41,7 @@ def _show_config(cfg: StackConfig) -> int:
     return 0
 
 
+SERVICES = ("sampler", "rewarder", "learner")
 # Commands that drive the whole stack also run StackConfig.check_whole_stack().
 WHOLE_STACK = {"learner"}
 # command -> (one-line purpose, config sections shown in --help, what runs it with the StackConfig)
@@ -83,6 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
                    add_help=False)
     sub.add_parser("import-config", help="a dgrpo config from a verl or TRL config; `dgrpo import-config --help`",
                    add_help=False)
+    sub.add_parser("doctor", help="check versions, devices, environment, ports, /dev/shm, model before a launch",
+                   add_help=False)
+    sub.add_parser("plan", help="memory per device of each service, and the knob to turn when it does not fit",
+                   add_help=False)
     for name, (purpose, sections, _) in COMMANDS.items():
         p = sub.add_parser(
             name,
@@ -106,6 +111,10 @@ def main(argv: list[str] | None = None) -> int:
         from dgrpo.cli.import_config import main as import_main
 
         return import_main(argv[1:])
+    if argv[:1] in (["doctor"], ["plan"]):  # their own options (--json, --device-memory-gb, ...)
+        from importlib import import_module
+
+        return import_module(f"dgrpo.cli.{argv[0]}").main(argv[1:])
     args = build_parser().parse_args(argv)
     from dgrpo.cli.stack import StackConfig
 
@@ -116,6 +125,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"dgrpo {args.command}: {e}", file=sys.stderr)
         return 2
+    if args.command in SERVICES:  # the same checks as `dgrpo doctor`, for this service: refuse to start on a FAIL
+        from dgrpo.common.doctor import report_failures, startup_failures
+
+        if report_failures(f"dgrpo {args.command}", startup_failures(cfg, (args.command,))):
+            return 2
     try:
         return int(COMMANDS[args.command][2](cfg) or 0)
     except (ConfigError, FileNotFoundError) as e:  # bad paths surface at start, as one clear line

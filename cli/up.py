@@ -382,6 +382,11 @@ def run(args) -> int:
     except (ConfigError, FileNotFoundError) as e:
         print(f"dgrpo up: {e}", file=sys.stderr)
         return 2
+    from dgrpo.common.doctor import SERVICES, report_failures, startup_failures
+
+    # `dgrpo doctor`'s checks for every service (ports: preflight_stack checked the ones up assigned).
+    if report_failures("dgrpo up", startup_failures(cfg, SERVICES, ports=False)):
+        return 2
     run_dir.mkdir(parents=True, exist_ok=True)
     config_path = run_dir / "stack.yaml"
     config_path.write_text(to_yaml(cfg))
