@@ -1,7 +1,7 @@
 """Per-call overhead of the tool sandbox: median wall time of calculator calls, strict vs process level.
 
 The calculator itself takes microseconds, so the figure is the cost of the isolation: starting a fresh interpreter
-(`python -I -m dgrpo.sampler.tools.child`), namespaces and read-only remounts (strict), the fork of the tool process,
+(`python -I -m dgrpo.tools.child`), namespaces and read-only remounts (strict), the fork of the tool process,
 and the JSON round trip. It bounds how often a rollout can afford a tool call: a decode step of the 135M model on
 CPU is ~10-30 ms, so one call costs a few dozen tokens' worth of time. One warm-up call, then `--calls` timed ones,
 sequential, then the same calls from `--threads` threads at once (throughput).
@@ -25,9 +25,9 @@ def main() -> None:
     ap.add_argument("--levels", nargs="+", default=["strict", "process"], choices=["strict", "process"])
     args = ap.parse_args()
 
-    from dgrpo.sampler.tools import SandboxUnavailable, ToolCall, ToolLimits, ToolRunner
-    from dgrpo.sampler.tools.builtins import calculator
-    from dgrpo.sampler.tools.spec import builtin_toolset
+    from dgrpo.tools import SandboxUnavailable, ToolCall, ToolLimits, ToolRunner
+    from dgrpo.tools.builtins import calculator
+    from dgrpo.tools.spec import builtin_toolset
 
     t0 = time.perf_counter()
     for _ in range(1000):

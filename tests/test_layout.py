@@ -15,7 +15,7 @@ def test_generic_top_level_names_are_not_ours(tmp_path):
     """`import sampler` / `import proto` must not find dgrpo (proto-plus owns `proto`)."""
     code = (
         "import importlib.util, json\n"
-        "names = ['sampler', 'learner', 'rewarder', 'proto', 'common', 'weights', 'cli']\n"
+        "names = ['sampler', 'learner', 'rewarder', 'proto', 'common', 'weights', 'tools', 'cli']\n"
         "found = {n: getattr(importlib.util.find_spec(n), 'origin', None) for n in names}\n"
         "print(json.dumps(found))\n"
     )
@@ -46,7 +46,21 @@ def test_services_never_import_each_other():
 
 
 def test_common_depends_on_no_service():
-    for folder in ("common", "weights"):
+    for folder in ("common", "weights", "tools"):
         for path in (ROOT / folder).glob("*.py"):
             bad = [m for m in _imports(path) if any(m.startswith(p) for p in SERVICES.values())]
             assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
+
+
+def test_every_package_folder_is_in_the_wheel():
+    """A folder with an __init__.py that pyproject's `packages` misses is left out of `pip install .` (the images),
+    while the editable install of development finds it: list every one."""
+    import tomllib
+
+    setup = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(setup["packages"])
+    for package, folder in setup["package-dir"].items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            sub = init.parent.relative_to(ROOT / folder).parts
+            if "__pycache__" not in sub:
+                assert ".".join((package, *sub)) in listed, f"{init.parent} is not in pyproject's packages"

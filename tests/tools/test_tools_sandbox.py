@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from dgrpo.sampler.tools import ToolCall, ToolLimits, ToolRunner, load_tool_config
-from dgrpo.sampler.tools.spec import builtin_toolset
+from dgrpo.tools import ToolCall, ToolLimits, ToolRunner, load_tool_config
+from dgrpo.tools.spec import builtin_toolset
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tools" / "tool_config.yaml"
 REPO = Path(__file__).resolve().parents[2]
@@ -240,8 +240,8 @@ def test_process_level_says_it_is_unconfined(tmp_path):
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root and setpriv")
 def test_strict_refuses_to_start_without_cap_sys_admin(tmp_path):
     """Root without CAP_SYS_ADMIN (docker's default) cannot build the namespaces: strict refuses, process runs."""
-    script = ("from dgrpo.sampler.tools import ToolRunner, ToolLimits, SandboxUnavailable\n"
-              "from dgrpo.sampler.tools.spec import builtin_toolset\n"
+    script = ("from dgrpo.tools import ToolRunner, ToolLimits, SandboxUnavailable\n"
+              "from dgrpo.tools.spec import builtin_toolset\n"
               "import sys\n"
               "try:\n"
               f"    ToolRunner(builtin_toolset('calculator'), ToolLimits(), {str(tmp_path / 'a')!r})\n"

@@ -1,7 +1,7 @@
 """Tools for multi-turn rollouts: tool config (verl's format), Hermes tool-call parsing, sandboxed execution.
 
 Nothing here imports vLLM or torch: the sampler's multi-turn loop uses these pieces, and each tool call runs in a
-fresh, isolated child process (`python -m dgrpo.sampler.tools.child`), so a hostile or broken tool yields an error
+fresh, isolated child process (`python -m dgrpo.tools.child`), so a hostile or broken tool yields an error
 message, never a crashed sampler. docs/tools.md describes the formats and the isolation.
 
 Names are resolved lazily: the child process imports this package too, and should not pay for pydantic or yaml.

@@ -22,9 +22,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
-from dgrpo.sampler.tools.child import landlock_abi
-from dgrpo.sampler.tools.parser import ToolCall
-from dgrpo.sampler.tools.spec import ToolSet, ToolSpec
+from dgrpo.tools.child import landlock_abi
+from dgrpo.tools.parser import ToolCall
+from dgrpo.tools.spec import ToolSet, ToolSpec
 
 ErrorKind = Literal["timeout", "memory", "error", "unknown_tool", "bad_arguments", "output_truncated"]
 _KEEPER_GRACE_S = 10.0  # interpreter start + namespace setup, on top of the tool's own limit
@@ -144,7 +144,7 @@ class ToolRunner:
 
     def _spawn(self, req: dict, limits: ToolLimits, uid: int | None) -> dict:
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
-        proc = subprocess.Popen([sys.executable, "-I", "-m", "dgrpo.sampler.tools.child"], stdin=subprocess.PIPE,
+        proc = subprocess.Popen([sys.executable, "-I", "-m", "dgrpo.tools.child"], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, env=env,
                                 cwd="/")
         try:

@@ -1,4 +1,4 @@
-"""One tool call in a fresh process: `python -m dgrpo.sampler.tools.child`, the call as JSON on stdin, the result
+"""One tool call in a fresh process: `python -m dgrpo.tools.child`, the call as JSON on stdin, the result
 as JSON on stdout. Run by ToolRunner (sandbox.py), never by hand.
 
 Two processes, so that the code that enforces the limits never shares a process with the tool:
@@ -178,7 +178,7 @@ def _needed_paths(req: dict) -> list[str]:
     """What the tool process reads: the interpreter, its libraries, our package, the user's tool file's folder."""
     import site
 
-    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # .../sampler/tools -> root
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # .../tools -> root
     paths = [sys.base_prefix, sys.prefix, os.path.dirname(os.path.realpath(sys.executable)), here,
              *site.getsitepackages(), *(p for p in sys.path if p and os.path.isdir(p))]
     if req["target"]["kind"] == "file":
@@ -209,7 +209,7 @@ def _setup_keeper(req: dict) -> list[str]:
 def _load(target: dict):
     """The tool function; a user file's source is read now (before privileges go) and run later."""
     if target["kind"] == "builtin":
-        from dgrpo.sampler.tools import builtins
+        from dgrpo.tools import builtins
 
         fn = {"calculator": builtins.calculator, "python": builtins.python, "_probe": _probe}[target["target"]]
         return lambda: fn

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from dgrpo.common.config import ConfigError
-from dgrpo.sampler.tools import MultiTurnConfig, load_tool_config, parse_tool_calls
-from dgrpo.sampler.tools.builtins import CalculatorError, calculator, python
-from dgrpo.sampler.tools.spec import builtin_toolset
+from dgrpo.tools import MultiTurnConfig, load_tool_config, parse_tool_calls
+from dgrpo.tools.builtins import CalculatorError, calculator, python
+from dgrpo.tools.spec import builtin_toolset
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tools" / "tool_config.yaml"
 
@@ -154,7 +154,7 @@ def test_python_tool_in_process_returns_stdout_then_stderr_tail():
 def test_parser_agrees_with_vllms_hermes_parser_on_well_formed_turns():
     from vllm.tool_parsers.hermes_tool_parser import Hermes2ProToolParser
 
-    from dgrpo.sampler.tools.parser import TOOL_CALL_RE
+    from dgrpo.tools.parser import TOOL_CALL_RE
 
     assert TOOL_CALL_RE.pattern == Hermes2ProToolParser.tool_call_regex.pattern
     vllm_parser = Hermes2ProToolParser(tokenizer=object())  # the non-streaming path uses neither tokenizer nor request

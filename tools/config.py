@@ -60,7 +60,7 @@ class MultiTurnConfig(StrictConfig):
 
     def limits(self):
         """The per-call limits the ToolRunner enforces."""
-        from dgrpo.sampler.tools.sandbox import ToolLimits
+        from dgrpo.tools.sandbox import ToolLimits
 
         return ToolLimits(timeout_s=self.tool_timeout_s, memory_mb=self.tool_memory_mb,
                           max_output_chars=self.max_tool_response_length,
