@@ -147,8 +147,12 @@ def micro_batch_tokens(cfg: Any) -> tuple[int, int]:
     if a.use_dynamic_bsz:
         # Packing takes whole units: a group block (its prompt once, then n completions) with shared prompts, one
         # sequence otherwise; a unit longer than the budget gets a micro-batch of its own.
+        budget = a.max_tokens_per_micro_batch
         unit, kept = (p + n * r, n * r) if a.share_prompts else (p + r, r)
-        units = max(1, a.max_tokens_per_micro_batch // unit)
+        if unit > budget and a.share_prompts:  # a group longer than the budget is cut: its prompt + k completions
+            k = max(1, (budget - p) // r)
+            return p + k * r, k * r
+        units = max(1, budget // unit)
         return units * unit, units * kept
     return a.micro_batch_size_per_device * (p + r), a.micro_batch_size_per_device * r
 
@@ -174,8 +178,9 @@ def learner_terms(m: ModelShape, cfg: Any, ranks: int, device: str, tokens: int 
         out.append(Term("FSDP gathered", gathered, "reshard_after_forward: 2 layers gathered + 2 unsharded layer "
                         "gradients (fp32)" if a.fsdp_reshard_after_forward else "ZeRO-2: whole model gathered"))
     if a.dtype == "bfloat16":
-        out.append(Term("autocast bf16 weights", 2 * P / W if W == 1 else 2 * 2 * m.layer_params,
-                        "autocast caches a 2 B copy of each weight it casts, until the forward's backward"))
+        cast = P - m.vocab * m.hidden  # the embedding is looked up, not cast
+        out.append(Term("autocast bf16 weights", 2 * cast / W if W == 1 else 2 * 2 * m.layer_params,
+                        "the 2 B copy of each matmul weight autocast makes, kept for backward"))
     per_layer = layer_activation_bytes(m, a.dtype, device)
     if ckpt:
         act = Term("activations", tokens * (m.layers * 4 * m.hidden + per_layer),
