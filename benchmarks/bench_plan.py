@@ -6,6 +6,7 @@ Cases (each in a fresh process, so one's peak never hides in another's):
   large-learner    a ~0.5B Llama-shaped model with random weights (built here with transformers' from_config, saved
                    as safetensors), bf16 autocast, same packing
   large-learner-gc the same with gradient checkpointing
+  mid-learner      a ~0.32B model, bf16 autocast (for a machine where the 0.5B step does not fit next to others)
   demo-sampler     `dgrpo sampler --config configs/cpu-demo.yaml` (kv_cache_space_gib 1): PSS and RSS of its whole
                    process tree once it serves
 
@@ -30,9 +31,14 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-LARGE = {"hidden_size": 1280, "intermediate_size": 3584, "num_hidden_layers": 24, "num_attention_heads": 20,
-         "num_key_value_heads": 5, "head_dim": 64}
-"""~0.5B parameters (492M with SmolLM2's 49152-token vocabulary, tied embeddings)."""
+SHAPES = {
+    "large": {"hidden_size": 1280, "intermediate_size": 3584, "num_hidden_layers": 24, "num_attention_heads": 20,
+              "num_key_value_heads": 5, "head_dim": 64},
+    "mid": {"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 24, "num_attention_heads": 16,
+            "num_key_value_heads": 4, "head_dim": 64},
+}
+"""Random Llama-shaped models with SmolLM2's 49152-token vocabulary and tied embeddings: large ~0.5B parameters
+(its learner step peaks near 11 GB: on a shared 24 GiB machine it can be OOM-killed), mid ~0.32B."""
 
 
 def _stack(overrides: list[str]):
@@ -42,8 +48,8 @@ def _stack(overrides: list[str]):
     return load_config(StackConfig, ROOT / "configs" / "cpu-demo.yaml", overrides)
 
 
-def large_model(folder: Path) -> Path:
-    """A random ~0.5B Llama with SmolLM2's config otherwise (vocabulary, tied embeddings), saved once."""
+def large_model(folder: Path, which: str = "large") -> Path:
+    """A random Llama of SHAPES[which] with SmolLM2's config otherwise (vocabulary, tied embeddings), saved once."""
     if (folder / "config.json").is_file():
         return folder
     import torch
@@ -52,7 +58,7 @@ def large_model(folder: Path) -> Path:
     from dgrpo.common.models import prepare_bundled_model
 
     config = AutoConfig.from_pretrained(prepare_bundled_model())
-    for k, v in LARGE.items():
+    for k, v in SHAPES[which].items():
         setattr(config, k, v)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
@@ -182,6 +188,7 @@ CASES = {
     "large-learner": ("large", [*SMALL_STEP, "learner.actor.dtype=bfloat16"]),
     "large-learner-gc": ("large", [*SMALL_STEP, "learner.actor.dtype=bfloat16",
                                    "learner.actor.gradient_checkpointing=true"]),
+    "mid-learner": ("mid", [*SMALL_STEP, "learner.actor.dtype=bfloat16"]),
     "demo-sampler": (None, []),
 }
 
@@ -197,7 +204,8 @@ def plan_of(model: str, overrides: list[str]) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
-    ap.add_argument("--large-dir", type=Path, default=Path(tempfile.gettempdir()) / "dgrpo-bench-plan-0p5b")
+    ap.add_argument("--large-dir", type=Path, default=Path(tempfile.gettempdir()) / "dgrpo-bench-plan",
+                    help="prefix of the random models' folders (<prefix>-large, <prefix>-mid)")
     ap.add_argument("--child", nargs=2, metavar=("CASE", "MODEL"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -212,7 +220,7 @@ def main() -> None:
     rows = []
     for case in args.cases:
         which, overrides = CASES[case]
-        model = str(large_model(args.large_dir)) if which == "large" else demo
+        model = str(large_model(Path(f"{args.large_dir}-{which}"), which)) if which else demo
         t0 = time.perf_counter()
         proc = subprocess.run([sys.executable, __file__, "--child", case, model], check=False, capture_output=True,
                               text=True)
