@@ -31,7 +31,7 @@ from dgrpo.common import auth
 from dgrpo.common.config import StrictConfig
 from dgrpo.common.grpc_server import CHANNEL_OPTIONS
 from dgrpo.common.retry import Backoff
-from dgrpo.sampler.tools.config import MultiTurnConfig
+from dgrpo.tools.config import MultiTurnConfig
 from dgrpo.v1 import sampler_pb2, sampler_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -100,7 +100,7 @@ def multi_turn_request(cfg: MultiTurnConfig) -> sampler_pb2.MultiTurn | None:
     the learner reads: a replica whose tools differ answers FAILED_PRECONDITION instead of sampling with them."""
     if not cfg.enable:
         return None
-    from dgrpo.sampler.tools.spec import load_tool_config
+    from dgrpo.tools.spec import load_tool_config
 
     return sampler_pb2.MultiTurn(
         enable=True, max_assistant_turns=cfg.max_assistant_turns, max_tool_calls=cfg.max_tool_calls,

@@ -22,7 +22,7 @@ from dgrpo.sampler.config import SamplerConfig
 
 if TYPE_CHECKING:
     from dgrpo.sampler.multi_turn import Message, MultiTurnRequest, ToolConversations, TurnStats
-    from dgrpo.sampler.tools.config import MultiTurnConfig
+    from dgrpo.tools.config import MultiTurnConfig
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Multi-turn rollouts with tool calls: each sample continues turn by turn where the KV cache is.
 
 A sample's loop (verl's tool agent loop, token in / token out): generate a turn from token ids, parse its tool calls
-(Hermes `<tool_call>` JSON, dgrpo.sampler.tools.parser), run them in the sandbox (ToolRunner, one process per call,
+(Hermes `<tool_call>` JSON, dgrpo.tools.parser), run them in the sandbox (ToolRunner, one process per call,
 on a thread pool so the engine's event loop never waits), append the tool messages' tokens, and continue until a turn
 has no call or a limit is hit. The ids handed back are the prompt's continuation exactly as the engine produced and
 consumed it: model tokens verbatim (mask 1, with their sampled logprobs), tool and template tokens between turns
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from dgrpo.sampler.engine import CompletionResult, SamplerEngine, SamplingRequest
-    from dgrpo.sampler.tools.config import MultiTurnConfig
+    from dgrpo.tools.config import MultiTurnConfig
 
 log = logging.getLogger(__name__)
 
@@ -154,8 +154,8 @@ class ToolConversations:
     """A replica's tools (loaded from ITS OWN config) and the per-sample conversation loop."""
 
     def __init__(self, cfg: MultiTurnConfig, tokenizer, scratch_root: str | Path | None = None):
-        from dgrpo.sampler.tools.sandbox import ToolRunner
-        from dgrpo.sampler.tools.spec import load_tool_config
+        from dgrpo.tools.sandbox import ToolRunner
+        from dgrpo.tools.spec import load_tool_config
 
         if not cfg.tool_config_path:
             raise ValueError("learner.rollout.multi_turn.tool_config_path is unset: a replica needs a tool config")
@@ -203,7 +203,7 @@ class ToolConversations:
                            sampling: SamplingRequest, req: MultiTurnRequest, seed: int | None) -> CompletionResult:
         """One sample's whole conversation as one completion with its mask, messages and stats."""
         from dgrpo.sampler.engine import CompletionResult
-        from dgrpo.sampler.tools.parser import parse_tool_calls
+        from dgrpo.tools.parser import parse_tool_calls
 
         budget = req.max_response_length or sampling.max_tokens
         ids: list[int] = []

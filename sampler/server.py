@@ -23,7 +23,7 @@ from dgrpo.weights.config import WeightSyncConfig
 
 if TYPE_CHECKING:
     from dgrpo.sampler.servicer import SamplerServicer
-    from dgrpo.sampler.tools.config import MultiTurnConfig
+    from dgrpo.tools.config import MultiTurnConfig
 
 SERVICE_NAME = "dgrpo.v1.Sampler"
 log = logging.getLogger("dgrpo.sampler")

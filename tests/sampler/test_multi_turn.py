@@ -71,7 +71,7 @@ def tools_file(tmp_path_factory):
 def rig(bundled_model, tools_file):
     from dgrpo.common import devices
     from dgrpo.common.model_config import ModelConfig
-    from dgrpo.sampler.tools.config import MultiTurnConfig
+    from dgrpo.tools.config import MultiTurnConfig
 
     os.environ.update({**devices.sampler_env("cpu"), "VLLM_CPU_KVCACHE_SPACE": "1",
                        **devices.cpu_thread_binding("all")})
