@@ -267,7 +267,7 @@ class Actor:
         return [idx[j] for j in parts[self.ctx.rank]]
 
     def _loss_tokens(self, s: Sequence) -> int:
-        return 0 if not s.in_loss or (self.algo.mask_truncated and s.truncated) else len(s.completion_ids)
+        return 0 if not s.in_loss or (self.algo.mask_truncated and s.truncated) else s.model_tokens
 
     def _denominator(self, seqs: list[Sequence]) -> float:
         """What the aggregation divides by, over `seqs`: tokens (token-mean) or live sequences (seq-means)."""

@@ -35,7 +35,7 @@ from dgrpo.learner.config import LearnerRunConfig
 from dgrpo.learner.control import LoopState, start_control_server
 from dgrpo.learner.data import PromptRecord, PromptStream, load_prompts
 from dgrpo.learner.distributed import DistContext, broadcast_object, init_distributed
-from dgrpo.learner.metrics import MetricsLogger, StepTimer
+from dgrpo.learner.metrics import MetricsLogger, StepTimer, multi_turn_metrics
 from dgrpo.learner.pipeline import RolloutPipeline, staleness_metrics
 from dgrpo.learner.reward_client import GroupReward, RewardClient, score_group
 from dgrpo.learner.rollout import RolloutClient, RolloutStats, make_prompt
@@ -325,6 +325,7 @@ class Trainer:
                 sampler_logprobs=logprobs if len(logprobs) == len(ids) else None,
                 truncated=c.finish_reason == LENGTH,
                 in_loss=ok,
+                tool_mask=list(c.mask) if len(c.mask) == len(ids) else None,  # multi-turn: tool tokens are 0
             ))
         return sequences, self._rollout_metrics(scored, rewards)
 
@@ -354,6 +355,7 @@ class Trainer:
         }
         m.update(_breakdown_means(scored, "reward"))
         m.update(_logged_metrics(scored))
+        m.update(multi_turn_metrics(finished))
         specs = {sg.reward.spec for sg in scored}
         if specs != self._reward_specs:  # a hot-swapped reward function shows up here, named and hashed
             log.info("rewards of step %d come from %s (before: %s)", self.step_num + 1, ", ".join(sorted(specs)),
