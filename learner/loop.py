@@ -281,9 +281,11 @@ class Trainer:
         async def score(i: int, group: sampler_pb2.Group) -> GroupReward:
             t0 = time.perf_counter()
             rec = batch[i]
+            multi_turn = any(c.messages for c in group.completions)
             result = await self.rewarder.score(score_group(
                 group.prompt_id, rec.prompt, [c.text for c in group.completions], rec.extra,
-                [c.token_ids for c in group.completions]), self._trainer_state())
+                [c.token_ids for c in group.completions],
+                [c.messages for c in group.completions] if multi_turn else None), self._trainer_state())
             busy[0] += time.perf_counter() - t0
             return result
 

@@ -22,7 +22,7 @@ from google.protobuf import struct_pb2
 from dgrpo.common import auth
 from dgrpo.common.retry import Backoff
 from dgrpo.learner.rollout import CLIENT_OPTIONS
-from dgrpo.v1 import rewarder_pb2, rewarder_pb2_grpc
+from dgrpo.v1 import rewarder_pb2, rewarder_pb2_grpc, sampler_pb2
 
 log = logging.getLogger(__name__)
 
@@ -67,12 +67,19 @@ def to_struct(extra: dict[str, Any]) -> struct_pb2.Struct:
 
 
 def score_group(prompt_id: str, prompt: str | list[dict[str, str]], completions: Sequence[str],
-                extra: dict[str, Any], completion_ids: Sequence[Sequence[int]] | None = None) -> rewarder_pb2.ScoreGroup:
+                extra: dict[str, Any], completion_ids: Sequence[Sequence[int]] | None = None,
+                conversations: Sequence[Sequence[sampler_pb2.ChatMessage]] | None = None) -> rewarder_pb2.ScoreGroup:
     """The ScoreGroup for one prompt: text prompts stay text, chat prompts go as messages (TRL's two formats); the
-    completions' token ids when given (TRL's `completion_ids`)."""
+    completions' token ids when given (TRL's `completion_ids`); multi-turn completions as their conversations
+    (the sampler's turns after the prompt), so reward functions see the tool calls and results."""
     group = rewarder_pb2.ScoreGroup(prompt_id=prompt_id, completions=list(completions), extra=to_struct(extra))
     for ids in completion_ids or []:
         group.completion_ids.add(ids=ids)
+    for turns in conversations or []:
+        group.completion_chats.add().messages.extend(
+            rewarder_pb2.RewardChatMessage(role=m.role, content=m.content, name=m.name, tool_calls=[
+                rewarder_pb2.RewardToolCall(name=c.name, arguments=c.arguments) for c in m.tool_calls])
+            for m in turns)
     if isinstance(prompt, str):
         group.text = prompt
     else:

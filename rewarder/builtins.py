@@ -2,7 +2,8 @@
 `fn(prompts, completions, **kwargs) -> list[float | None]`, kwargs holding one value per completion per column.
 
 `build_builtin(config)` turns a config entry (rewarder/config.py) into such a function. Completions may be
-strings (standard format) or TRL's conversational `[{"role": "assistant", "content": ...}]`.
+strings (standard format) or TRL's conversational `[{"role": "assistant", "content": ...}]` (multi-turn: the
+assistant and tool turns after the prompt; rules read the last assistant turn).
 """
 
 from __future__ import annotations
@@ -26,11 +27,13 @@ _BOXED = re.compile(r"^\\boxed\{(.*)\}$", re.DOTALL)
 
 
 def completion_text(completion) -> str:
-    """The text of a completion in either TRL format."""
+    """The text of a completion in either TRL format; of a multi-turn conversation, its last assistant turn (a
+    conversation cut off after a tool result is scored on what the model last said, not on the tool's output)."""
     if isinstance(completion, str):
         return completion
-    if isinstance(completion, list) and completion and isinstance(completion[-1], dict):
-        return str(completion[-1].get("content", ""))
+    if isinstance(completion, list) and completion and all(isinstance(m, dict) for m in completion):
+        said = [m for m in completion if m.get("role", "assistant") == "assistant"]
+        return str(said[-1].get("content", "")) if said else ""
     raise TypeError(f"completion is neither text nor a message list: {type(completion).__name__}")
 
 

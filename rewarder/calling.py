@@ -159,10 +159,6 @@ def _resolve(result):
     return _event_loop().run_until_complete(_await(result)) if inspect.isawaitable(result) else result
 
 
-def _text(completion) -> str:
-    """The completion's text in either TRL format (a string, or [{"role": "assistant", "content": ...}])."""
-    return completion if isinstance(completion, str) else completion[0]["content"]
-
 
 def _ground_truth(kwargs: dict, i: int):
     reward_model = kwargs.get("reward_model", [None] * (i + 1))[i]
@@ -175,11 +171,13 @@ def _ground_truth(kwargs: dict, i: int):
 
 
 def _call_verl(uf: UserFunction, completions: list, kwargs: dict) -> Scored:
+    from dgrpo.rewarder.builtins import completion_text  # verl scores the final answer's text
+
     values: list[Value] = []
     extras: list[dict[str, float]] = []
     for i, c in enumerate(completions):
         arguments = {"data_source": kwargs.get("data_source", [None] * len(completions))[i],
-                     "solution_str": _text(c), "ground_truth": _ground_truth(kwargs, i),
+                     "solution_str": completion_text(c), "ground_truth": _ground_truth(kwargs, i),
                      "extra_info": kwargs.get("extra_info", [None] * len(completions))[i]}
         try:  # one call per completion, as verl makes them: a failure is that completion's alone
             result = _resolve(uf.fn(**arguments, **uf.reward_kwargs))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 from google.protobuf import struct_pb2
@@ -51,8 +52,29 @@ def groups_from_proto(request: pb.ScoreRequest) -> list[GroupInput]:
             prompt = g.text
         extra = _from_struct(g.extra, f"groups[{i}].extra") if g.HasField("extra") else {}
         ids = [list(c.ids) for c in g.completion_ids] if len(g.completion_ids) else None
-        groups.append(GroupInput(g.prompt_id, prompt, list(g.completions), extra, ids))
+        chats = [[_message(m) for m in chat.messages] for chat in g.completion_chats] if len(g.completion_chats) else None
+        groups.append(GroupInput(g.prompt_id, prompt, list(g.completions), extra, ids, chats))
     return groups
+
+
+def _message(m: pb.RewardChatMessage) -> dict:
+    """A turn as TRL's conversational format has it: tool calls as OpenAI's entries (arguments parsed when they
+    are a JSON object), a tool turn with the tool's name."""
+    message: dict = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        message["tool_calls"] = [{"type": "function", "function": {"name": c.name, "arguments": _arguments(c.arguments)}}
+                                 for c in m.tool_calls]
+    if m.name:
+        message["name"] = m.name
+    return message
+
+
+def _arguments(text: str):
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, dict) else text
 
 
 def trainer_state_from_proto(request: pb.ScoreRequest) -> dict | None:
@@ -77,7 +99,16 @@ def groups_to_proto(groups: list[GroupInput], group_size: int = 0) -> pb.ScoreRe
             msg.extra.update(g.extra)
         for ids in g.completion_ids or []:
             msg.completion_ids.add(ids=ids)
+        for chat in g.completion_messages or []:
+            msg.completion_chats.add().messages.extend(_message_to_proto(m) for m in chat)
     return request
+
+
+def _message_to_proto(m: dict) -> pb.RewardChatMessage:
+    calls = [pb.RewardToolCall(name=c["function"]["name"], arguments=json.dumps(c["function"]["arguments"])
+                               if isinstance(c["function"]["arguments"], dict) else c["function"]["arguments"])
+             for c in m.get("tool_calls", [])]
+    return pb.RewardChatMessage(role=m["role"], content=m.get("content", ""), tool_calls=calls, name=m.get("name", ""))
 
 
 def spec_ref_to_proto(ref: SpecRef | None) -> pb.RewardSpecRef:

@@ -66,6 +66,9 @@ class GroupInput:
     completions: list[str]
     extra: dict = field(default_factory=dict)
     completion_ids: list[list[int]] | None = None  # token ids per completion (TRL's completion_ids), if sent
+    # Multi-turn rollouts: each completion's turns after the prompt (assistant, tool, ..., assistant), if sent;
+    # functions then get these message lists (TRL's conversational format) instead of the final answers.
+    completion_messages: list[list[dict]] | None = None
 
 
 @dataclass
@@ -218,11 +221,15 @@ class Scorer:
             if g.completion_ids is not None and len(g.completion_ids) != len(g.completions):
                 raise RequestError(f"{label} has {len(g.completion_ids)} completion_ids entries for "
                                    f"{len(g.completions)} completions")
+            if g.completion_messages is not None and len(g.completion_messages) != len(g.completions):
+                raise RequestError(f"{label} has {len(g.completion_messages)} completion_chats entries for "
+                                   f"{len(g.completions)} completions")
             reserved = [k for k in g.extra if k in RESERVED_COLUMNS]
             if reserved:
                 raise RequestError(f"{label}: extra column {reserved[0]!r} clashes with the reward function argument")
             total += len(g.completions)
             chars += _prompt_chars(g.prompt) + sum(len(c) for c in g.completions)
+            chars += sum(_prompt_chars(m) for m in g.completion_messages or [])
         if total > self.config.max_completions_per_request:
             raise RequestError(f"{total} completions in one request; the limit is "
                                f"rewarder.max_completions_per_request={self.config.max_completions_per_request}")
@@ -280,7 +287,9 @@ class Scorer:
         for i in chunk:
             g = groups[i]
             prompts += [g.prompt] * len(g.completions)
-            if isinstance(g.prompt, list):  # TRL's conversational format
+            if g.completion_messages is not None:  # multi-turn: the whole conversation after the prompt
+                completions += g.completion_messages
+            elif isinstance(g.prompt, list):  # TRL's conversational format
                 completions += [[{"role": "assistant", "content": c}] for c in g.completions]
             else:
                 completions += list(g.completions)

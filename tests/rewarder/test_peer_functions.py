@@ -277,3 +277,67 @@ def test_over_grpc_with_the_learner_client(tmp_path):
     # "x": every function None -> NO_REWARD: not valid (no baseline share, advantage 0), and not an error.
     assert reward.valid == [True, False] and reward.no_reward == [False, True] and reward.errors == []
     assert reward.rewards == [3.0, 3.0]  # the group mean of the valid rewards, as for errors
+
+
+def test_multi_turn_conversations_reach_the_functions(tmp_path):
+    """Multi-turn completions (the sampler's turns after the prompt, tool calls and results included) reach TRL-style
+    functions as message lists over the protos; rules and verl's compute_score read the last assistant turn, also
+    when the conversation was cut off after a tool result."""
+    from dgrpo.learner.reward_client import RewardClient, score_group
+    from dgrpo.rewarder.server import create_server
+    from dgrpo.v1 import sampler_pb2
+
+    path = tmp_path / "tool_rewards.py"
+    path.write_text(textwrap.dedent('''
+        def used_the_calculator(prompts, completions, **kwargs):
+            out = []
+            for turns in completions:
+                calls = [c for m in turns if m["role"] == "assistant" for c in m.get("tool_calls", [])]
+                tool_said = [m["content"] for m in turns if m["role"] == "tool" and m.get("name") == "calculator"]
+                ok = bool(calls) and calls[0]["function"]["arguments"] == {"expression": "123*45"} and tool_said
+                out.append(1.0 if ok else 0.0)
+            return out
+
+        def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+            return 1.0 if solution_str.strip() == ground_truth else 0.0
+    '''))
+    config = RewarderConfig.model_validate({"port": 0, "workers": 1, "spec": {"functions": [
+        {"type": "file", "path": str(path), "function": "used_the_calculator"},
+        {"type": "file", "path": str(path), "function": "compute_score"},
+        {"type": "math_verify", "field": "answer"}]}})
+    call = sampler_pb2.ToolCall(name="calculator", arguments='{"expression": "123*45"}')
+    with_tool = [sampler_pb2.ChatMessage(role="assistant", content="Let me compute.", tool_calls=[call]),
+                 sampler_pb2.ChatMessage(role="tool", name="calculator", content="5535"),
+                 sampler_pb2.ChatMessage(role="assistant", content="5535")]
+    cut_off = [sampler_pb2.ChatMessage(role="assistant", content="4000", tool_calls=[call]),
+               sampler_pb2.ChatMessage(role="tool", name="calculator", content="5535")]  # the tool said it, not the model
+
+    async def scenario():
+        server, scorer = create_server(config)
+        await server.start()
+        await scorer.start()
+        client = RewardClient(f"127.0.0.1:{server.port}", timeout_s=30)
+        try:
+            group = score_group("g", [{"role": "user", "content": "What is 123*45?"}], ["5535", "4000"],
+                                {"answer": "5535", "ground_truth": "5535"}, [[1, 2], [3]], [with_tool, cut_off])
+            return await client.score(group)
+        finally:
+            await client.close()
+            await scorer.close()
+            await server.stop(0)
+
+    reward = run(scenario())
+    assert reward.errors == [], reward.errors
+    first, second = reward.breakdown
+    assert first["used_the_calculator"] == 1.0 and second["used_the_calculator"] == 1.0
+    assert first["compute_score"] == 1.0 and second["compute_score"] == 0.0
+    assert first["math_verify"] == 1.0 and second["math_verify"] == 0.0
+
+
+def test_completion_chats_must_match_the_completions():
+    from dgrpo.rewarder.scorer import RequestError
+
+    scorer = Scorer(RewarderConfig.model_validate({"spec": {"functions": [{"type": "math_verify"}]}, "workers": 1}))
+    group = GroupInput("g", "q", ["a", "b"], {}, None, [[{"role": "assistant", "content": "a"}]])
+    with pytest.raises(RequestError, match="1 completion_chats entries for 2 completions"):
+        scorer.validate([group], 0)

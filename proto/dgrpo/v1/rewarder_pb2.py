@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x64grpo/v1/rewarder.proto\x12\x08\x64grpo.v1\x1a\x1cgoogle/protobuf/struct.proto\"2\n\x11RewardChatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\";\n\nRewardChat\x12-\n\x08messages\x18\x01 \x03(\x0b\x32\x1b.dgrpo.v1.RewardChatMessage\"\xd2\x01\n\nScoreGroup\x12\x11\n\tprompt_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12$\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x14.dgrpo.v1.RewardChatH\x00\x12\x13\n\x0b\x63ompletions\x18\x04 \x03(\t\x12&\n\x05\x65xtra\x18\x05 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x34\n\x0e\x63ompletion_ids\x18\x06 \x03(\x0b\x32\x1c.dgrpo.v1.CompletionTokenIdsB\x08\n\x06prompt\"!\n\x12\x43ompletionTokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"K\n\x12RewardTrainerState\x12\x13\n\x0bglobal_step\x18\x01 \x01(\x04\x12\x11\n\tmax_steps\x18\x02 \x01(\x04\x12\r\n\x05\x65poch\x18\x03 \x01(\x01\"}\n\x0cScoreRequest\x12$\n\x06groups\x18\x01 \x03(\x0b\x32\x14.dgrpo.v1.ScoreGroup\x12\x12\n\ngroup_size\x18\x02 \x01(\r\x12\x33\n\rtrainer_state\x18\x03 \x01(\x0b\x32\x1c.dgrpo.v1.RewardTrainerState\"\xc8\x01\n\x0f\x43ompletionScore\x12\x0e\n\x06reward\x18\x01 \x01(\x01\x12;\n\tbreakdown\x18\x02 \x03(\x0b\x32(.dgrpo.v1.CompletionScore.BreakdownEntry\x12%\n\x06status\x18\x03 \x01(\x0e\x32\x15.dgrpo.v1.ScoreStatus\x12\x0f\n\x07message\x18\x04 \x01(\t\x1a\x30\n\x0e\x42reakdownEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xb0\x01\n\x0bGroupScores\x12\x11\n\tprompt_id\x18\x01 \x01(\t\x12)\n\x06scores\x18\x02 \x03(\x0b\x32\x19.dgrpo.v1.CompletionScore\x12\x33\n\x07metrics\x18\x03 \x03(\x0b\x32\".dgrpo.v1.GroupScores.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"D\n\rRewardSpecRef\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x14\n\x0c\x63ontent_hash\x18\x03 \x01(\t\"]\n\rScoreResponse\x12%\n\x06groups\x18\x01 \x03(\x0b\x32\x15.dgrpo.v1.GroupScores\x12%\n\x04spec\x18\x02 \x01(\x0b\x32\x17.dgrpo.v1.RewardSpecRef\"\x15\n\x13RewarderInfoRequest\"P\n\x12RewardFunctionInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0e\n\x06weight\x18\x03 \x01(\x01\x12\x0e\n\x06source\x18\x04 \x01(\t\"\xbc\x01\n\x0cRewarderInfo\x12%\n\x04spec\x18\x01 \x01(\x0b\x32\x17.dgrpo.v1.RewardSpecRef\x12/\n\tfunctions\x18\x02 \x03(\x0b\x32\x1c.dgrpo.v1.RewardFunctionInfo\x12\x0f\n\x07workers\x18\x03 \x01(\r\x12\x15\n\rworkers_alive\x18\x04 \x01(\r\x12\x10\n\x08on_error\x18\x05 \x01(\t\x12\x1a\n\x12in_flight_requests\x18\x06 \x01(\r\"\"\n\rReloadRequest\x12\x11\n\tspec_text\x18\x01 \x01(\t\"s\n\x0eReloadResponse\x12%\n\x04spec\x18\x01 \x01(\x0b\x32\x17.dgrpo.v1.RewardSpecRef\x12)\n\x08previous\x18\x02 \x01(\x0b\x32\x17.dgrpo.v1.RewardSpecRef\x12\x0f\n\x07\x63hanged\x18\x03 \x01(\x08*t\n\x0bScoreStatus\x12\x1c\n\x18SCORE_STATUS_UNSPECIFIED\x10\x00\x12\x13\n\x0fSCORE_STATUS_OK\x10\x01\x12\x16\n\x12SCORE_STATUS_ERROR\x10\x02\x12\x1a\n\x16SCORE_STATUS_NO_REWARD\x10\x03\x32\xc0\x01\n\x08Rewarder\x12\x38\n\x05Score\x12\x16.dgrpo.v1.ScoreRequest\x1a\x17.dgrpo.v1.ScoreResponse\x12=\n\x04Info\x12\x1d.dgrpo.v1.RewarderInfoRequest\x1a\x16.dgrpo.v1.RewarderInfo\x12;\n\x06Reload\x12\x17.dgrpo.v1.ReloadRequest\x1a\x18.dgrpo.v1.ReloadResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x64grpo/v1/rewarder.proto\x12\x08\x64grpo.v1\x1a\x1cgoogle/protobuf/struct.proto\"n\n\x11RewardChatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12,\n\ntool_calls\x18\x03 \x03(\x0b\x32\x18.dgrpo.v1.RewardToolCall\x12\x0c\n\x04name\x18\x04 \x01(\t\"1\n\x0eRewardToolCall\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\targuments\x18\x02 \x01(\t\";\n\nRewardChat\x12-\n\x08messages\x18\x01 \x03(\x0b\x32\x1b.dgrpo.v1.RewardChatMessage\"\x82\x02\n\nScoreGroup\x12\x11\n\tprompt_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12$\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x14.dgrpo.v1.RewardChatH\x00\x12\x13\n\x0b\x63ompletions\x18\x04 \x03(\t\x12&\n\x05\x65xtra\x18\x05 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x34\n\x0e\x63ompletion_ids\x18\x06 \x03(\x0b\x32\x1c.dgrpo.v1.CompletionTokenIds\x12.\n\x10\x63ompletion_chats\x18\x07 \x03(\x0b\x32\x14.dgrpo.v1.RewardChatB\x08\n\x06prompt\"!\n\x12\x43ompletionTokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"K\n\x12RewardTrainerState\x12\x13\n\x0bglobal_step\x18\x01 \x01(\x04\x12\x11\n\tmax_steps\x18\x02 \x01(\x04\x12\r\n\x05\x65poch\x18\x03 \x01(\x01\"}\n\x0cScoreRequest\x12$\n\x06groups\x18\x01 \x03(\x0b\x32\x14.dgrpo.v1.ScoreGroup\x12\x12\n\ngroup_size\x18\x02 \x01(\r\x12\x33\n\rtrainer_state\x18\x03 \x01(\x0b\x32\x1c.dgrpo.v1.RewardTrainerState\"\xc8\x01\n\x0f\x43ompletionScore\x12\x0e\n\x06reward\x18\x01 \x01(\x01\x12;\n\tbreakdown\x18\x02 \x03(\x0b\x32(.dgrpo.v1.CompletionScore.BreakdownEntry\x12%\n\x06status\x18\x03 \x01(\x0e\x32\x15.dgrpo.v1.ScoreStatus\x12\x0f\n\x07message\x18\x04 \x01(\t\x1a\x30\n\x0e\x42reakdownEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xb0\x01\n\x0bGroupScores\x12\x11\n\tprompt_id\x18\x01 \x01(\t\x12)\n\x06scores\x18\x02 \x03(\x0b\x32\x19.dgrpo.v1.CompletionScore\x12\x33\n\x07metrics\x18\x03 \x03(\x0b\x32\".dgrpo.v1.GroupScores.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"D\n\rRewardSpecRef\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x14\n\x0c\x63ontent_hash\x18\x03 \x01(\t\"]\n\rScoreResponse\x12%\n\x06groups\x18\x01 \x03(\x0b\x32\x15.dgrpo.v1.GroupScores\x12%\n\x04spec\x18\x02 \x01(\x0b\x32\x17.dgrpo.v1.RewardSpecRef\"\x15\n\x13RewarderInfoRequest\"P\n\x12RewardFunctionInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0e\n\x06weight\x18\x03 \x01(\x01\x12\x0e\n\x06source\x18\x04 \x01(\t\"\xbc\x01\n\x0cRewarderInfo\x12%\n\x04spec\x18\x01 \x01(\x0b\x32\x17.dgrpo.v1.RewardSpecRef\x12/\n\tfunctions\x18\x02 \x03(\x0b\x32\x1c.dgrpo.v1.RewardFunctionInfo\x12\x0f\n\x07workers\x18\x03 \x01(\r\x12\x15\n\rworkers_alive\x18\x04 \x01(\r\x12\x10\n\x08on_error\x18\x05 \x01(\t\x12\x1a\n\x12in_flight_requests\x18\x06 \x01(\r\"\"\n\rReloadRequest\x12\x11\n\tspec_text\x18\x01 \x01(\t\"s\n\x0eReloadResponse\x12%\n\x04spec\x18\x01 \x01(\x0b\x32\x17.dgrpo.v1.RewardSpecRef\x12)\n\x08previous\x18\x02 \x01(\x0b\x32\x17.dgrpo.v1.RewardSpecRef\x12\x0f\n\x07\x63hanged\x18\x03 \x01(\x08*t\n\x0bScoreStatus\x12\x1c\n\x18SCORE_STATUS_UNSPECIFIED\x10\x00\x12\x13\n\x0fSCORE_STATUS_OK\x10\x01\x12\x16\n\x12SCORE_STATUS_ERROR\x10\x02\x12\x1a\n\x16SCORE_STATUS_NO_REWARD\x10\x03\x32\xc0\x01\n\x08Rewarder\x12\x38\n\x05Score\x12\x16.dgrpo.v1.ScoreRequest\x1a\x17.dgrpo.v1.ScoreResponse\x12=\n\x04Info\x12\x1d.dgrpo.v1.RewarderInfoRequest\x1a\x16.dgrpo.v1.RewarderInfo\x12;\n\x06Reload\x12\x17.dgrpo.v1.ReloadRequest\x1a\x18.dgrpo.v1.ReloadResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,42 +36,44 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_COMPLETIONSCORE_BREAKDOWNENTRY']._serialized_options = b'8\001'
   _globals['_GROUPSCORES_METRICSENTRY']._loaded_options = None
   _globals['_GROUPSCORES_METRICSENTRY']._serialized_options = b'8\001'
-  _globals['_SCORESTATUS']._serialized_start=1628
-  _globals['_SCORESTATUS']._serialized_end=1744
+  _globals['_SCORESTATUS']._serialized_start=1787
+  _globals['_SCORESTATUS']._serialized_end=1903
   _globals['_REWARDCHATMESSAGE']._serialized_start=67
-  _globals['_REWARDCHATMESSAGE']._serialized_end=117
-  _globals['_REWARDCHAT']._serialized_start=119
-  _globals['_REWARDCHAT']._serialized_end=178
-  _globals['_SCOREGROUP']._serialized_start=181
-  _globals['_SCOREGROUP']._serialized_end=391
-  _globals['_COMPLETIONTOKENIDS']._serialized_start=393
-  _globals['_COMPLETIONTOKENIDS']._serialized_end=426
-  _globals['_REWARDTRAINERSTATE']._serialized_start=428
-  _globals['_REWARDTRAINERSTATE']._serialized_end=503
-  _globals['_SCOREREQUEST']._serialized_start=505
-  _globals['_SCOREREQUEST']._serialized_end=630
-  _globals['_COMPLETIONSCORE']._serialized_start=633
-  _globals['_COMPLETIONSCORE']._serialized_end=833
-  _globals['_COMPLETIONSCORE_BREAKDOWNENTRY']._serialized_start=785
-  _globals['_COMPLETIONSCORE_BREAKDOWNENTRY']._serialized_end=833
-  _globals['_GROUPSCORES']._serialized_start=836
-  _globals['_GROUPSCORES']._serialized_end=1012
-  _globals['_GROUPSCORES_METRICSENTRY']._serialized_start=966
-  _globals['_GROUPSCORES_METRICSENTRY']._serialized_end=1012
-  _globals['_REWARDSPECREF']._serialized_start=1014
-  _globals['_REWARDSPECREF']._serialized_end=1082
-  _globals['_SCORERESPONSE']._serialized_start=1084
-  _globals['_SCORERESPONSE']._serialized_end=1177
-  _globals['_REWARDERINFOREQUEST']._serialized_start=1179
-  _globals['_REWARDERINFOREQUEST']._serialized_end=1200
-  _globals['_REWARDFUNCTIONINFO']._serialized_start=1202
-  _globals['_REWARDFUNCTIONINFO']._serialized_end=1282
-  _globals['_REWARDERINFO']._serialized_start=1285
-  _globals['_REWARDERINFO']._serialized_end=1473
-  _globals['_RELOADREQUEST']._serialized_start=1475
-  _globals['_RELOADREQUEST']._serialized_end=1509
-  _globals['_RELOADRESPONSE']._serialized_start=1511
-  _globals['_RELOADRESPONSE']._serialized_end=1626
-  _globals['_REWARDER']._serialized_start=1747
-  _globals['_REWARDER']._serialized_end=1939
+  _globals['_REWARDCHATMESSAGE']._serialized_end=177
+  _globals['_REWARDTOOLCALL']._serialized_start=179
+  _globals['_REWARDTOOLCALL']._serialized_end=228
+  _globals['_REWARDCHAT']._serialized_start=230
+  _globals['_REWARDCHAT']._serialized_end=289
+  _globals['_SCOREGROUP']._serialized_start=292
+  _globals['_SCOREGROUP']._serialized_end=550
+  _globals['_COMPLETIONTOKENIDS']._serialized_start=552
+  _globals['_COMPLETIONTOKENIDS']._serialized_end=585
+  _globals['_REWARDTRAINERSTATE']._serialized_start=587
+  _globals['_REWARDTRAINERSTATE']._serialized_end=662
+  _globals['_SCOREREQUEST']._serialized_start=664
+  _globals['_SCOREREQUEST']._serialized_end=789
+  _globals['_COMPLETIONSCORE']._serialized_start=792
+  _globals['_COMPLETIONSCORE']._serialized_end=992
+  _globals['_COMPLETIONSCORE_BREAKDOWNENTRY']._serialized_start=944
+  _globals['_COMPLETIONSCORE_BREAKDOWNENTRY']._serialized_end=992
+  _globals['_GROUPSCORES']._serialized_start=995
+  _globals['_GROUPSCORES']._serialized_end=1171
+  _globals['_GROUPSCORES_METRICSENTRY']._serialized_start=1125
+  _globals['_GROUPSCORES_METRICSENTRY']._serialized_end=1171
+  _globals['_REWARDSPECREF']._serialized_start=1173
+  _globals['_REWARDSPECREF']._serialized_end=1241
+  _globals['_SCORERESPONSE']._serialized_start=1243
+  _globals['_SCORERESPONSE']._serialized_end=1336
+  _globals['_REWARDERINFOREQUEST']._serialized_start=1338
+  _globals['_REWARDERINFOREQUEST']._serialized_end=1359
+  _globals['_REWARDFUNCTIONINFO']._serialized_start=1361
+  _globals['_REWARDFUNCTIONINFO']._serialized_end=1441
+  _globals['_REWARDERINFO']._serialized_start=1444
+  _globals['_REWARDERINFO']._serialized_end=1632
+  _globals['_RELOADREQUEST']._serialized_start=1634
+  _globals['_RELOADREQUEST']._serialized_end=1668
+  _globals['_RELOADRESPONSE']._serialized_start=1670
+  _globals['_RELOADRESPONSE']._serialized_end=1785
+  _globals['_REWARDER']._serialized_start=1906
+  _globals['_REWARDER']._serialized_end=2098
 # @@protoc_insertion_point(module_scope)

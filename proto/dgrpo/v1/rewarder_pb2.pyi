@@ -20,12 +20,24 @@ SCORE_STATUS_ERROR: ScoreStatus
 SCORE_STATUS_NO_REWARD: ScoreStatus
 
 class RewardChatMessage(_message.Message):
-    __slots__ = ("role", "content")
+    __slots__ = ("role", "content", "tool_calls", "name")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
     role: str
     content: str
-    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+    tool_calls: _containers.RepeatedCompositeFieldContainer[RewardToolCall]
+    name: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[RewardToolCall, _Mapping]]] = ..., name: _Optional[str] = ...) -> None: ...
+
+class RewardToolCall(_message.Message):
+    __slots__ = ("name", "arguments")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    arguments: str
+    def __init__(self, name: _Optional[str] = ..., arguments: _Optional[str] = ...) -> None: ...
 
 class RewardChat(_message.Message):
     __slots__ = ("messages",)
@@ -34,20 +46,22 @@ class RewardChat(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[RewardChatMessage, _Mapping]]] = ...) -> None: ...
 
 class ScoreGroup(_message.Message):
-    __slots__ = ("prompt_id", "text", "chat", "completions", "extra", "completion_ids")
+    __slots__ = ("prompt_id", "text", "chat", "completions", "extra", "completion_ids", "completion_chats")
     PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     COMPLETIONS_FIELD_NUMBER: _ClassVar[int]
     EXTRA_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_IDS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_CHATS_FIELD_NUMBER: _ClassVar[int]
     prompt_id: str
     text: str
     chat: RewardChat
     completions: _containers.RepeatedScalarFieldContainer[str]
     extra: _struct_pb2.Struct
     completion_ids: _containers.RepeatedCompositeFieldContainer[CompletionTokenIds]
-    def __init__(self, prompt_id: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[RewardChat, _Mapping]] = ..., completions: _Optional[_Iterable[str]] = ..., extra: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., completion_ids: _Optional[_Iterable[_Union[CompletionTokenIds, _Mapping]]] = ...) -> None: ...
+    completion_chats: _containers.RepeatedCompositeFieldContainer[RewardChat]
+    def __init__(self, prompt_id: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[RewardChat, _Mapping]] = ..., completions: _Optional[_Iterable[str]] = ..., extra: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., completion_ids: _Optional[_Iterable[_Union[CompletionTokenIds, _Mapping]]] = ..., completion_chats: _Optional[_Iterable[_Union[RewardChat, _Mapping]]] = ...) -> None: ...
 
 class CompletionTokenIds(_message.Message):
     __slots__ = ("ids",)
