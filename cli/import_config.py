@@ -229,6 +229,13 @@ VERL_RULES: dict[str, tuple[str, Any]] = {
     "trainer.max_actor_ckpt_to_keep": ("learner.checkpoint.keep_last", None),
     "trainer.balance_batch": ("learner.actor.balance_batch", None),
     "trainer.device": ("model.device", None),
+    R + "multi_turn.enable": ("learner.rollout.multi_turn.enable", None),
+    R + "multi_turn.tool_config_path": ("learner.rollout.multi_turn.tool_config_path", str),
+    R + "multi_turn.max_assistant_turns": ("learner.rollout.multi_turn.max_assistant_turns", None),
+    R + "multi_turn.max_parallel_calls": ("learner.rollout.multi_turn.max_parallel_calls", None),
+    R + "multi_turn.max_tool_response_length": ("learner.rollout.multi_turn.max_tool_response_length", None),
+    R + "multi_turn.tool_response_truncate_side": ("learner.rollout.multi_turn.tool_response_truncate_side", None),
+    R + "multi_turn.format": ("learner.rollout.multi_turn.format", None),
 }
 # Keys whose listed values (None: any value) mean what dgrpo does anyway.
 VERL_SAME: dict[str, Any] = {
@@ -239,7 +246,8 @@ VERL_SAME: dict[str, Any] = {
     F + "ref.log_prob_micro_batch_size_per_gpu": None, R + "log_prob_max_token_len_per_gpu": None,
     F + "ref.log_prob_use_dynamic_bsz": None, R + "log_prob_use_dynamic_bsz": None, R + "calculate_log_probs": None,
     R + "mode": None, R + "free_cache_engine": None, R + "load_format": None, R + "prompt_length": None,
-    A + "ulysses_sequence_parallel_size": (1,), R + "multi_turn.enable": (False,), "reward_model.enable": (False,),
+    A + "ulysses_sequence_parallel_size": (1,), "reward_model.enable": (False,), R + "multi_turn.max_user_turns": None,
+    R + "multi_turn.interaction_config_path": (None,),
     A + "tis_imp_ratio_cap": (-1, 0, -1.0, 0.0), "trainer.critic_warmup": None,
     "trainer.n_gpus_per_node": None, "trainer.nnodes": None, "critic.": None, "algorithm.kl_ctrl.": None,
     "algorithm.gamma": None, "algorithm.lam": None, "data.truncation": None, "trainer.log_val_generations": None,
@@ -263,7 +271,9 @@ VERL_REASONS = {
     R + "mode": "samplers are separate services", R + "free_cache_engine": "samplers keep their own devices",
     R + "load_format": "samplers load model.path and then published weights", R + "prompt_length": "from data",
     A + "ulysses_sequence_parallel_size": "no sequence parallelism",
-    R + "multi_turn.enable": "multi-turn rollouts with tools are not offered",
+    R + "multi_turn.max_user_turns": "conversations have no simulated user turns: only tool turns follow the model's",
+    R + "multi_turn.interaction_config_path": "no interaction agents (simulated users): tools only",
+    R + "multi_turn.": "not offered by dgrpo's multi-turn rollouts (learner.rollout.multi_turn)",
     "reward_model.enable": "a reward model is a rewarder function: rewarder.spec.functions [{type: model, path}] "
     "(AutoModelForSequenceClassification; verl's scores the last token of AutoModelForTokenClassification)",
     "reward_model.": "reward models are rewarder functions ({type: model})",

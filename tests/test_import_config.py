@@ -321,3 +321,25 @@ def test_unreadable_input_is_a_clear_error(tmp_path, capsys):
     assert rc == 2 and "neither a YAML/JSON mapping nor key=value overrides" in err
     assert dgrpo_main(["import-config", "--from", "verl", str(tmp_path / "missing.yaml")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_verl_multi_turn_tool_run(tmp_path, capsys):
+    """verl's GSM8K tool-agent script (examples/sglang_multiturn): multi_turn maps onto learner.rollout.multi_turn;
+    simulated-user settings, which dgrpo does not have, are listed."""
+    script = (
+        "python3 -m verl.trainer.main_ppo algorithm.adv_estimator=grpo \\\n"
+        "    actor_rollout_ref.rollout.multi_turn.enable=True \\\n"
+        "    actor_rollout_ref.rollout.multi_turn.tool_config_path=/cfg/gsm8k_tool_config.yaml \\\n"
+        "    actor_rollout_ref.rollout.multi_turn.max_assistant_turns=5 \\\n"
+        "    actor_rollout_ref.rollout.multi_turn.max_user_turns=2 \\\n"
+        "    actor_rollout_ref.rollout.multi_turn.max_tool_response_length=512 \\\n"
+        "    actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side=right \\\n"
+        "    actor_rollout_ref.rollout.multi_turn.format=hermes \\\n"
+        "    actor_rollout_ref.rollout.multi_turn.use_inference_chat_template=True\n")
+    rc, out, err = run(tmp_path, capsys, "verl", script, name="run.sh")
+    assert rc == 0, err
+    mt = load_config(StackConfig, out).learner.rollout.multi_turn
+    assert (mt.enable, mt.tool_config_path, mt.max_assistant_turns) == (True, "/cfg/gsm8k_tool_config.yaml", 5)
+    assert (mt.max_tool_response_length, mt.tool_response_truncate_side, mt.format) == (512, "right", "hermes")
+    assert "actor_rollout_ref.rollout.multi_turn.max_user_turns" in listed(err, "ignored")
+    assert "actor_rollout_ref.rollout.multi_turn.use_inference_chat_template" in listed(err, "unsupported")
