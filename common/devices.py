@@ -106,6 +106,23 @@ def cpu_thread_binding(cores: str) -> dict[str, str]:
     return {"VLLM_CPU_OMP_THREADS_BIND": cores, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 
 
+VLLM_CPU_BATCHED_TOKENS = 4096
+"""vLLM-CPU's own default token budget per engine step (its LLM class)."""
+
+
+def sampler_prefill(device: DeviceKind, chunked: bool | None, batched_tokens: int | None,
+                    max_model_len: int) -> tuple[bool | None, int | None, bool]:
+    """(enable_chunked_prefill, max_num_batched_tokens, seeds_safe) for the engine. vLLM-CPU cannot rewind a
+    seeded request's generator after a split prefill: the engine dies ("CPU Generator does not use offset"), so a
+    seeded rollout with long prompts took the replica down. On CPU, unless asked otherwise, prefills are not split
+    (the budget then covers a whole max_model_len); where they are, seeded requests must be refused."""
+    if device != "cpu":
+        return chunked, batched_tokens, True
+    if chunked is False or (chunked is None and (batched_tokens is None or batched_tokens >= max_model_len)):
+        return False, batched_tokens or max(max_model_len, VLLM_CPU_BATCHED_TOKENS), True
+    return chunked, batched_tokens, False
+
+
 def learner_env(device: DeviceKind, environ: dict[str, str] | None = None) -> dict[str, str]:
     """Environment defaults for the learner: on Ascend, expandable segments against fragmentation."""
     env = dict(os.environ if environ is None else environ)

@@ -33,7 +33,9 @@ class SamplerConfig(StrictConfig):
     tensor_parallel_size: int = Field(default=1, ge=1)
     """Devices the model is split over (tensor parallel)."""
     enable_chunked_prefill: bool | None = None
-    """Split long prefills into chunks (lower memory peak on long prompts, slower on short). Unset: vLLM default."""
+    """Split long prefills into chunks (lower memory peak on long prompts, slower on short). Unset: vLLM's default,
+    except on CPU: off (a seeded request whose prefill is split kills vLLM-CPU's engine; common/devices.py), with
+    max_num_batched_tokens raised to max_model_len. Set true on CPU and seeded requests are refused."""
     enable_prefix_caching: bool = True
     """Reuse the KV cache of a shared prefix — the n samples of a GRPO group share their prompt."""
     max_num_seqs: int = Field(default=256, ge=1)

@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
+from dgrpo.common.devices import sampler_prefill
 from dgrpo.common.model_config import ModelConfig
 from dgrpo.sampler.config import SamplerConfig
 
@@ -163,6 +164,8 @@ class SamplerEngine:
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dgrpo-tokenize")
         self.tools: ToolConversations | None = None
         self.turn_log: list[TurnOutput] | None = None  # tests: set to a list to record every multi-turn engine turn
+        self.seeds_safe = True
+        """False where a seeded request could kill the engine (vLLM-CPU with chunked prefill): seeds are refused."""
         self.turn_regex: dict[int, str] = {}
         """Test seam: turn index -> a regex the turn's tokens must match (vLLM structured outputs). The bundled 135M
         model rarely calls a tool on its own; the tests force a call this way to exercise the loop."""
@@ -196,6 +199,8 @@ class SamplerEngine:
             def log_engine_initialized(self):
                 pass
 
+        chunked, batched_tokens, seeds_safe = sampler_prefill(device, cfg.enable_chunked_prefill,
+                                                              cfg.max_num_batched_tokens, cfg.max_model_len)
         args = AsyncEngineArgs(
             model=model_path,
             dtype=model_cfg.dtype,
@@ -203,10 +208,10 @@ class SamplerEngine:
             max_model_len=cfg.max_model_len,
             gpu_memory_utilization=cfg.gpu_memory_utilization,
             tensor_parallel_size=cfg.tensor_parallel_size,
-            enable_chunked_prefill=cfg.enable_chunked_prefill,
+            enable_chunked_prefill=chunked,
             enable_prefix_caching=cfg.enable_prefix_caching,
             max_num_seqs=cfg.max_num_seqs,
-            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_num_batched_tokens=batched_tokens,
             enforce_eager=cfg.enforce_eager,
             seed=cfg.seed,
             logprobs_mode=cfg.logprobs_mode,
@@ -216,7 +221,9 @@ class SamplerEngine:
             **({"attention_backend": cfg.attention_backend} if cfg.attention_backend else {}),
         )
         llm = AsyncLLM.from_engine_args(args, stat_loggers=[_LoadTracker])
-        return cls(llm, model_cfg, cfg, model_path, device, load)
+        engine = cls(llm, model_cfg, cfg, model_path, device, load)
+        engine.seeds_safe = seeds_safe
+        return engine
 
     # --- weight versions (advanced by dgrpo.sampler.weight_target) ---
 
@@ -326,6 +333,10 @@ class SamplerEngine:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
+        if (s.seed is not None or seed is not None) and not self.seeds_safe:
+            raise InvalidRequest("sampling.seed: vLLM-CPU with chunked prefill dies on a seeded request whose prefill "
+                                 "is split; send no seed, or set sampler.enable_chunked_prefill=false (with "
+                                 "sampler.max_num_batched_tokens >= max_model_len)")
         try:
             return SamplingParams(
                 n=s.n if n is None else n,

