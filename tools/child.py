@@ -122,31 +122,36 @@ def _blocking_ancestor(path: str) -> str | None:
 
 
 def _expose(paths: list[str]) -> list[str]:
-    """Make `paths` reachable for the tool's uid although a parent (often /root, home of pyenv) is private: cover
-    that parent with an empty tmpfs and bind back only these paths. Nothing else under it stays visible."""
-    by_parent: dict[str, list[str]] = {}
-    top: list[str] = []
-    for p in sorted(set(paths)):  # sorted: a folder comes before what is inside it
-        if not any(p == t or p.startswith(t + "/") for t in top):
-            top.append(p)
-    for p in top:
-        parent = _blocking_ancestor(p) if os.path.exists(p) else None
-        if parent is not None and parent != p:
-            by_parent.setdefault(parent, []).append(p)
-    shown = []
-    for parent, inner in by_parent.items():
-        fds = {p: os.open(p, os.O_PATH) for p in inner}
-        _mount("tmpfs", parent, "tmpfs", MS_NOSUID | MS_NODEV)
-        os.chmod(parent, 0o755)
-        for p, fd in fds.items():
-            if os.path.isdir(f"/proc/self/fd/{fd}"):
-                os.makedirs(p, exist_ok=True)
-            else:
-                _touch(p)
-            _mount(f"/proc/self/fd/{fd}", p, None, MS_BIND | MS_REC)
-            os.close(fd)
-            shown.append(p)
-    return shown
+    """Make `paths` reachable for the tool's uid although a parent (often /root, home of pyenv; pytest's 0700
+    /tmp/pytest-of-<user>) is private: cover that parent with an empty tmpfs and bind back only these paths. Nothing
+    else under it stays visible. A bound folder can hold a private folder deeper on the way to another path (the
+    scratch below the checkout): each round uncovers one more level, until every path is reachable."""
+    shown: list[str] = []
+    wanted = sorted({p for p in paths if os.path.exists(p)})  # sorted: a folder comes before what is inside it
+    for _ in range(16):
+        by_parent: dict[str, list[str]] = {}
+        for p in wanted:
+            parent = _blocking_ancestor(p)
+            if parent is None or parent == p:
+                continue  # reachable as it is
+            inner = by_parent.setdefault(parent, [])
+            if not any(p == q or p.startswith(q + "/") for q in inner):  # bound with a folder above it
+                inner.append(p)
+        if not by_parent:
+            return shown
+        for parent, inner in by_parent.items():
+            fds = {p: os.open(p, os.O_PATH) for p in inner}
+            _mount("tmpfs", parent, "tmpfs", MS_NOSUID | MS_NODEV)
+            os.chmod(parent, 0o755)
+            for p, fd in fds.items():
+                if os.path.isdir(f"/proc/self/fd/{fd}"):
+                    os.makedirs(p, exist_ok=True)
+                else:
+                    _touch(p)
+                _mount(f"/proc/self/fd/{fd}", p, None, MS_BIND | MS_REC)
+                os.close(fd)
+                shown.append(p)
+    raise OSError(errno.EACCES, f"private folders nested too deep on the way to {wanted}")
 
 
 def _touch(path: str) -> None:
@@ -178,7 +183,7 @@ def _needed_paths(req: dict) -> list[str]:
     """What the tool process reads: the interpreter, its libraries, our package, the user's tool file's folder."""
     import site
 
-    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # .../tools -> root
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # <root>/tools/child.py -> <root>
     paths = [sys.base_prefix, sys.prefix, os.path.dirname(os.path.realpath(sys.executable)), here,
              *site.getsitepackages(), *(p for p in sys.path if p and os.path.isdir(p))]
     if req["target"]["kind"] == "file":

@@ -256,3 +256,23 @@ def test_strict_refuses_to_start_without_cap_sys_admin(tmp_path):
     first, second = out.stdout.splitlines()[:2]
     assert first.startswith("REFUSED strict tool sandbox unavailable here") and "sandbox=process" in first
     assert second.startswith("process: ")
+
+
+def test_scratch_behind_private_folders_below_the_tools_folder(tmp_path):
+    """The tool's own folder is a path the sandbox shows; the scratch sits below it behind two more private (0700)
+    folders, as a checkout under /tmp holds pytest's 0700 /tmp/pytest-of-<user>: each private level is uncovered,
+    and the call writes its scratch."""
+    shared = tmp_path / "checkout"
+    shared.mkdir()
+    (shared / "mine.py").write_text("import os\n\ndef here():\n    open('f', 'w').write('x')\n    return os.getcwd()\n")
+    (shared / "tools.yaml").write_text(_schema("here").replace("hostile.py", "mine.py").join(["tools:\n", ""]))
+    private = shared / "private" / "deeper"
+    private.mkdir(parents=True)
+    for folder in (shared / "private", private):
+        folder.chmod(0o700)
+    r = ToolRunner(load_tool_config(shared / "tools.yaml"), ToolLimits(timeout_s=5), private / "scratch")
+    try:
+        res = r.run(ToolCall("here", {}, ""))
+        assert res.ok and res.text.startswith(str(private / "scratch")), res
+    finally:
+        r.close()
