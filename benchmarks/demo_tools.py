@@ -71,7 +71,8 @@ def run(tools: bool, steps: int, log_dir: Path) -> list[dict]:
     name = "tools_demo_on" if tools else "tools_demo_off"
     cmd = [sys.executable, "-m", "dgrpo.cli", "up", "--config", str(CONFIG), "--no-demo-data",
            f"learner.rollout.multi_turn.enable={str(tools).lower()}", f"learner.trainer.total_training_steps={steps}",
-           f"learner.trainer.run_name={name}", f"learner.trainer.log_dir={log_dir}", "learner.rollout.seed=1"]
+           f"learner.trainer.run_name={name}", f"learner.trainer.log_dir={log_dir}", "learner.rollout.seed=1",
+           f"learner.checkpoint.dir={log_dir / name / 'checkpoints'}", "learner.checkpoint.resume=never"]
     if not tools:  # the same questions after worked examples that answer directly
         cmd += ["learner.data.train_files=[data/mdmul-direct-train.parquet]",
                 "learner.data.val_files=[data/mdmul-direct-val.parquet]"]
