@@ -340,12 +340,7 @@ def bindings(service: str, cfg: Any) -> list[pf.Binding]:
         if cfg.rewarder.metrics_port:
             out.append(("rewarder.metrics_port", cfg.rewarder.host, cfg.rewarder.metrics_port))
         return out
-    t, w = cfg.learner.trainer, cfg.weights
-    out = [("weights.announce_port", w.bind_host, w.announce_port), ("weights.control_port", w.bind_host,
-                                                                    w.control_port)]
-    if t.control_port is not None:
-        out.insert(0, ("learner.trainer.control_port", t.control_host, t.control_port))
-    return out
+    return pf.learner_bindings(cfg.learner.trainer, cfg.weights)
 
 
 def check_ports(service: str, cfg: Any) -> Finding:

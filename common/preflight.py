@@ -130,6 +130,16 @@ Binding = tuple[str, str, int]
 """(config key, host, port) of a socket a service will bind."""
 
 
+def learner_bindings(trainer, weights) -> list[Binding]:
+    """The sockets the learner binds (rank 0), from its `learner.trainer` and `weights` sections: its control
+    service (unless control_port is null) and the weight publisher's two."""
+    out = [("weights.announce_port", weights.bind_host, weights.announce_port),
+           ("weights.control_port", weights.bind_host, weights.control_port)]
+    if trainer.control_port is not None:
+        out.insert(0, ("learner.trainer.control_port", trainer.control_host, trainer.control_port))
+    return out
+
+
 def _probe(host: str, port: int, *, hold: bool = False) -> socket.socket:
     """Bind (host, port) as gRPC and ZMQ do (SO_REUSEADDR: a port in TIME_WAIT counts as free); the caller closes.
     `hold`: bind strictly and listen, so nobody else can take the port while it is held."""

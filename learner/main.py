@@ -47,12 +47,7 @@ def _model_dir(path: str | None) -> Path:
 
 def learner_bindings(cfg: LearnerRunConfig) -> list[pf.Binding]:
     """The sockets the learner binds (rank 0): its control service and the weight publisher's two."""
-    t, w = cfg.learner.trainer, cfg.weights
-    out = [("weights.announce_port", w.bind_host, w.announce_port), ("weights.control_port", w.bind_host,
-                                                                    w.control_port)]
-    if t.control_port is not None:
-        out.insert(0, ("learner.trainer.control_port", t.control_host, t.control_port))
-    return out
+    return pf.learner_bindings(cfg.learner.trainer, cfg.weights)
 
 
 def preflight(cfg: LearnerRunConfig) -> None:

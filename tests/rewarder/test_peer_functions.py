@@ -244,10 +244,26 @@ def test_module_functions_and_who_may_name_them(tmp_path, monkeypatch):
     assert explicit.groups[0][0].reward == 1.0
 
 
+async def _score_over_grpc(config: RewarderConfig, group, state=None):
+    """One group scored by a real rewarder server through the learner's client."""
+    from dgrpo.learner.reward_client import RewardClient
+    from dgrpo.rewarder.server import create_server
+
+    server, scorer = create_server(config)
+    await server.start()
+    await scorer.start()
+    client = RewardClient(f"127.0.0.1:{server.port}", timeout_s=30)
+    try:
+        return await client.score(group, state)
+    finally:
+        await client.close()
+        await scorer.close()
+        await server.stop(0)
+
+
 def test_over_grpc_with_the_learner_client(tmp_path):
     """trainer_state, completion_ids, log_metric and NO_REWARD through the protos, learner client to real server."""
-    from dgrpo.learner.reward_client import RewardClient, score_group
-    from dgrpo.rewarder.server import create_server
+    from dgrpo.learner.reward_client import score_group
     from dgrpo.v1 import rewarder_pb2
 
     path = tmp_path / "trl_rewards.py"
@@ -259,20 +275,8 @@ def test_over_grpc_with_the_learner_client(tmp_path):
     config = RewarderConfig.model_validate({"port": 0, "workers": 1, "spec": {"functions": [
         {"type": "file", "path": str(path), "function": "ids_or_none"}]}})
 
-    async def scenario():
-        server, scorer = create_server(config)
-        await server.start()
-        await scorer.start()
-        client = RewardClient(f"127.0.0.1:{server.port}", timeout_s=30)
-        try:
-            group = score_group("g", "q", ["four", "x"], {"solution": "4"}, [[5, 6, 7], [8]])
-            return await client.score(group, rewarder_pb2.RewardTrainerState(global_step=7, max_steps=9))
-        finally:
-            await client.close()
-            await scorer.close()
-            await server.stop(0)
-
-    reward = run(scenario())
+    group = score_group("g", "q", ["four", "x"], {"solution": "4"}, [[5, 6, 7], [8]])
+    reward = run(_score_over_grpc(config, group, rewarder_pb2.RewardTrainerState(global_step=7, max_steps=9)))
     assert reward.breakdown == [{"ids_or_none": 3.0}, {}] and reward.metrics == {"step": 7.0}
     # "x": every function None -> NO_REWARD: not valid (no baseline share, advantage 0), and not an error.
     assert reward.valid == [True, False] and reward.no_reward == [False, True] and reward.errors == []
@@ -283,8 +287,7 @@ def test_multi_turn_conversations_reach_the_functions(tmp_path):
     """Multi-turn completions (the sampler's turns after the prompt, tool calls and results included) reach TRL-style
     functions as message lists over the protos; rules and verl's compute_score read the last assistant turn, also
     when the conversation was cut off after a tool result."""
-    from dgrpo.learner.reward_client import RewardClient, score_group
-    from dgrpo.rewarder.server import create_server
+    from dgrpo.learner.reward_client import score_group
     from dgrpo.v1 import sampler_pb2
 
     path = tmp_path / "tool_rewards.py"
@@ -312,21 +315,9 @@ def test_multi_turn_conversations_reach_the_functions(tmp_path):
     cut_off = [sampler_pb2.ChatMessage(role="assistant", content="4000", tool_calls=[call]),
                sampler_pb2.ChatMessage(role="tool", name="calculator", content="5535")]  # the tool said it, not the model
 
-    async def scenario():
-        server, scorer = create_server(config)
-        await server.start()
-        await scorer.start()
-        client = RewardClient(f"127.0.0.1:{server.port}", timeout_s=30)
-        try:
-            group = score_group("g", [{"role": "user", "content": "What is 123*45?"}], ["5535", "4000"],
-                                {"answer": "5535", "ground_truth": "5535"}, [[1, 2], [3]], [with_tool, cut_off])
-            return await client.score(group)
-        finally:
-            await client.close()
-            await scorer.close()
-            await server.stop(0)
-
-    reward = run(scenario())
+    group = score_group("g", [{"role": "user", "content": "What is 123*45?"}], ["5535", "4000"],
+                        {"answer": "5535", "ground_truth": "5535"}, [[1, 2], [3]], [with_tool, cut_off])
+    reward = run(_score_over_grpc(config, group))
     assert reward.errors == [], reward.errors
     first, second = reward.breakdown
     assert first["used_the_calculator"] == 1.0 and second["used_the_calculator"] == 1.0
