@@ -30,5 +30,11 @@ def sampler_version(address: str) -> int:
         return sampler_pb2_grpc.SamplerStub(ch).Info(sampler_pb2.InfoRequest(), timeout=10).weight_version
 
 
+def sampler_running(address: str) -> int:
+    """Requests the replica's engine is running now (its Info RPC)."""
+    with grpc.insecure_channel(address) as ch:
+        return sampler_pb2_grpc.SamplerStub(ch).Info(sampler_pb2.InfoRequest(), timeout=10).running_requests
+
+
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]

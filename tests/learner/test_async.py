@@ -16,7 +16,7 @@ from pathlib import Path
 import grpc
 import pytest
 import yaml
-from loop_support import fixed_port, read_jsonl, sampler_version, start_rewarder
+from loop_support import fixed_port, read_jsonl, sampler_running, sampler_version, start_rewarder
 from support import ServiceProcess, free_port
 
 from dgrpo.v1 import learner_pb2, learner_pb2_grpc
@@ -167,12 +167,14 @@ def test_replica_killed_mid_run_loses_and_duplicates_nothing(stack):
            "learner.trainer.test_freq=0", "learner.rollout.retry_backoff_s=0.2", "learner.rollout.max_backoff_s=1",
            "learner.rollout.step_timeout_s=240"]  # with no replica left, fail in minutes rather than hang
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    metrics = root / "runs" / "kill" / "metrics.jsonl"
+    # Killed while its engine runs the learner's requests (early on, batches ahead are in flight on both
+    # replicas): killed between bursts, no stream would fail and the test would prove nothing.
     deadline = time.monotonic() + 300
-    while not (metrics.is_file() and metrics.read_text().strip()) and time.monotonic() < deadline:
+    while sampler_running(victim.address) == 0:
         assert proc.poll() is None, proc.stderr.read()[-6000:]
-        time.sleep(0.2)
-    victim.kill()  # batches ahead are in flight on both replicas
+        assert time.monotonic() < deadline, "the victim never ran a request"
+        time.sleep(0.05)
+    victim.kill()
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-6000:]
     steps = _steps(root, "kill")
