@@ -54,6 +54,8 @@ class Run:
     learner_busy: float = 0.0
     pause_mode: str = "keep"
     """weights.pause_mode for k >= 1 (k = 0 always waits: nothing is in flight at an update)."""
+    learner_dtype: str = "bfloat16"
+    """learner.actor.dtype (the CPU demo's is float32; bfloat16 is autocast over fp32 master weights)."""
 
     @property
     def steps_per_hour(self) -> float:
@@ -138,7 +140,7 @@ def run_one(run: Run, steps: int, work: Path) -> Run:
              f"learner.rollout.max_staleness={run.k}", f"learner.trainer.log_dir={run_dir}",
              f"learner.trainer.run_name={run.name}", f"learner.checkpoint.dir={run_dir / 'ckpt'}",
              "learner.checkpoint.export_dir=null", "learner.trainer.control_port=null",
-             "learner.trainer.loggers=[console,jsonl]"],
+             "learner.trainer.loggers=[console,jsonl]", f"learner.actor.dtype={run.learner_dtype}"],
             env=learner_env, stdout=logs["learner"], stderr=subprocess.STDOUT)
         procs.append(learner)
         if learner.wait() != 0:
@@ -228,14 +230,18 @@ def main() -> None:
     parser.add_argument("--no-reference", action="store_true", help="skip the unpinned lockstep reference run")
     parser.add_argument("--pause-mode", choices=["keep", "wait"], default="keep",
                         help="weights.pause_mode of the k >= 1 runs (default keep: in-flight updates)")
+    parser.add_argument("--learner-dtype", choices=["float32", "bfloat16"], default="bfloat16",
+                        help="learner.actor.dtype of every run (default bfloat16, autocast over fp32 master weights, "
+                             "as the learner runs on NPUs and GPUs; float32 is the CPU demo's own)")
     parser.add_argument("--work", type=Path, default=HERE / ".bench_async")
     parser.add_argument("--out", type=Path, default=HERE / ".bench_async" / "results.json")
     parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "figures" / "bench_async.png")
     args = parser.parse_args()
 
-    plan = [Run(f"k{k}_seed{s}_pinned", k, s, True, pause_mode=args.pause_mode) for s in args.seeds for k in args.ks]
+    plan = [Run(f"k{k}_seed{s}_pinned", k, s, True, pause_mode=args.pause_mode, learner_dtype=args.learner_dtype)
+            for s in args.seeds for k in args.ks]
     if not args.no_reference:
-        plan.append(Run(f"k0_seed{args.seeds[0]}_shared", 0, args.seeds[0], False))
+        plan.append(Run(f"k0_seed{args.seeds[0]}_shared", 0, args.seeds[0], False, learner_dtype=args.learner_dtype))
     runs = []
     for run in plan:
         t0 = time.monotonic()

@@ -15,6 +15,7 @@ as is instead of building an [N, N] one.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -58,15 +59,18 @@ def prompt_block_attention(
         raise ValueError(f"attention blocks cover {attention_blocks[-1].end} tokens of one row; the forward has "
                          f"{query.shape[0]} rows of {query.shape[2]}")
     dtype = query.dtype
-    if dtype != torch.float32 and fp32_attention_backward(query.device.type):
+    upcast = dtype != torch.float32 and fp32_attention_backward(query.device.type)
+    if upcast:
         query, key, value = query.float(), key.float(), value.float()
-    parts = [
-        sdpa_attention_forward(
-            module, query[:, :, b.start : b.end], key[:, :, b.start : b.end], value[:, :, b.start : b.end],
-            b.mask[None, None], dropout=dropout, scaling=scaling, is_causal=False,
-        )[0]
-        for b in attention_blocks
-    ]
+    # Autocast would cast fp32 inputs of sdpa back to bf16 (sdpa is on its lower-precision list): off here.
+    with torch.autocast(query.device.type, enabled=False) if upcast else nullcontext():
+        parts = [
+            sdpa_attention_forward(
+                module, query[:, :, b.start : b.end], key[:, :, b.start : b.end], value[:, :, b.start : b.end],
+                b.mask[None, None], dropout=dropout, scaling=scaling, is_causal=False,
+            )[0]
+            for b in attention_blocks
+        ]
     return torch.cat(parts, dim=1).to(dtype), None
 
 
