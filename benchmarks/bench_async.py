@@ -24,7 +24,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -176,11 +176,12 @@ def run_one(run: Run, steps: int, work: Path) -> Run:
 
 def report(runs: list[Run]) -> None:
     print(f"\n{'run':<22}{'steps/h':>9}{'s/step':>8}{'sampler busy':>14}{'learner busy':>14}"
-          f"{'staleness':>11}{'reward first5 -> last5':>26}")
+          f"{'staleness':>11}{'reward first5 -> last5':>26}{'mean':>7}")
     for r in runs:
         first, last = r.reward_ends()
         print(f"{r.name:<22}{r.steps_per_hour:>9.0f}{statistics.median(r.step_s):>8.2f}{r.sampler_busy:>14.0%}"
-              f"{r.learner_busy:>14.0%}{statistics.mean(r.staleness):>11.2f}{first:>13.3f} -> {last:.3f}")
+              f"{r.learner_busy:>14.0%}{statistics.mean(r.staleness):>11.2f}{first:>13.3f} -> {last:.3f}"
+              f"{statistics.mean(r.rewards):>9.3f}")
     pinned = [r for r in runs if r.pinned]
     base = [r for r in pinned if r.k == 0]
     if not base:
@@ -196,11 +197,16 @@ def report(runs: list[Run]) -> None:
     phases = PhaseTimes(generate_s=statistics.median(s for r in base for s in r.generate_s),
                         train_s=statistics.median(s for r in base for s in r.train_s),
                         sync_s=statistics.median(s for r in base for s in r.sync_s), replicas=1)
+    ahead = [s for r in pinned if r.k for s in r.train_s]
+    co_run = statistics.median(ahead) / phases.train_s if ahead else 1.0  # the update next to a decoding sampler
     print(f"\npipeline model from k = 0's phases (generate {phases.generate_s:.2f}s, train {phases.train_s:.2f}s, "
-          f"sync {phases.sync_s:.2f}s per step):")
+          f"sync {phases.sync_s:.2f}s per step); C = 1 (own devices) and C = {co_run:.2f} (the k >= 1 runs' median "
+          "train time over k = 0's: both cores decode and train at once here):")
     for k in sorted({r.k for r in pinned}):
         measured = statistics.median(statistics.median(r.step_s) for r in pinned if r.k == k)
-        print(f"  k = {k}: predicted {predict(phases, k):.2f} s/step, measured {measured:.2f} s/step")
+        with_c = predict(replace(phases, co_run_slowdown=co_run), k)
+        print(f"  k = {k}: predicted {predict(phases, k):.2f} s/step (C = {co_run:.2f}: {with_c:.2f}), "
+              f"measured {measured:.2f} s/step")
 
 
 def plot(runs: list[Run], path: Path) -> None:
@@ -210,10 +216,13 @@ def plot(runs: list[Run], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for r in runs:
-        label = f"{r.name}"
-        by_step.plot(range(1, len(r.rewards) + 1), r.rewards, label=label)
-        by_time.plot([w / 60 for w in r.wall], r.rewards, label=label)
+    colors = {0: "tab:blue", 1: "tab:orange", 2: "tab:green", 3: "tab:red"}
+    seeds = sorted({r.seed for r in runs})
+    for r in runs:  # colour: k; line style: seed; the shared-core reference in grey
+        style = {"color": colors.get(r.k, "tab:purple") if r.pinned else "grey",
+                 "linestyle": ["-", "--", ":", "-."][seeds.index(r.seed) % 4], "label": r.name, "linewidth": 1.2}
+        by_step.plot(range(1, len(r.rewards) + 1), r.rewards, **style)
+        by_time.plot([w / 60 for w in r.wall], r.rewards, **style)
     by_step.set(xlabel="step", ylabel="mean reward", title="reward per step")
     by_time.set(xlabel="minutes of training", ylabel="mean reward", title="reward over wall-clock time")
     by_step.legend(fontsize=7)
@@ -236,7 +245,14 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=HERE / ".bench_async")
     parser.add_argument("--out", type=Path, default=HERE / ".bench_async" / "results.json")
     parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "figures" / "bench_async.png")
+    parser.add_argument("--from-results", type=Path, default=None,
+                        help="report and plot the runs of an earlier --out file instead of running")
     args = parser.parse_args()
+    if args.from_results:
+        runs = [Run(**r) for r in json.loads(args.from_results.read_text())]
+        report(runs)
+        plot(runs, args.plot)
+        return
 
     plan = [Run(f"k{k}_seed{s}_pinned", k, s, True, pause_mode=args.pause_mode, learner_dtype=args.learner_dtype)
             for s in args.seeds for k in args.ks]

@@ -58,12 +58,15 @@ def prompt_block_attention(
     if query.shape[0] != 1 or attention_blocks[-1].end != query.shape[2]:
         raise ValueError(f"attention blocks cover {attention_blocks[-1].end} tokens of one row; the forward has "
                          f"{query.shape[0]} rows of {query.shape[2]}")
-    dtype = query.dtype
-    upcast = dtype != torch.float32 and fp32_attention_backward(query.device.type)
+    device = query.device.type
+    # Under autocast q/k/v often arrive as fp32 already (RoPE's fp32 cos/sin promote them), and autocast would cast
+    # them to bf16 for sdpa, which is on its lower-precision list: so the test is the dtype sdpa would run in.
+    low_precision = query.dtype != torch.float32 or torch.is_autocast_enabled(device)
+    upcast = low_precision and fp32_attention_backward(device)
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else query.dtype
     if upcast:
         query, key, value = query.float(), key.float(), value.float()
-    # Autocast would cast fp32 inputs of sdpa back to bf16 (sdpa is on its lower-precision list): off here.
-    with torch.autocast(query.device.type, enabled=False) if upcast else nullcontext():
+    with torch.autocast(device, enabled=False) if upcast else nullcontext():
         parts = [
             sdpa_attention_forward(
                 module, query[:, :, b.start : b.end], key[:, :, b.start : b.end], value[:, :, b.start : b.end],

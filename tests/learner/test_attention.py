@@ -54,3 +54,36 @@ def test_blocks_that_do_not_cover_the_row_are_refused(models):
     mb = collate_shared_prompts([Sequence([1, 2], [3], 1.0)], [0])
     with pytest.raises(ValueError, match="attention blocks cover 3 tokens"):
         blocks(input_ids=torch.tensor([[1, 2, 3, 4]]), **block_forward_kwargs(mb.attention_blocks))
+
+
+def test_under_bf16_autocast_cpu_block_attention_runs_in_fp32(models):
+    """CPU's bf16 flash-attention backward is slower than its fp32 one (common/devices.fp32_attention_backward), so
+    the blocks upcast q/k/v; autocast must not cast them back to bf16 (sdpa is on its lower-precision list). The
+    kernel's own inputs are what counts, seen below autocast by a dispatch mode, forward and backward."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class AttentionDtypes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen: list[tuple[str, torch.dtype]] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "scaled_dot_product" in func.__name__:
+                self.seen.append((func.__name__, args[0].dtype))
+            return func(*args, **(kwargs or {}))
+
+    _, blocks = models
+    mb = collate_shared_prompts([Sequence([1, 2, 3], [4, 5], 1.0), Sequence([1, 2, 3], [6], -1.0)], [0, 1])
+    blocks.train()
+    try:
+        with AttentionDtypes() as mode:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                logits = blocks(input_ids=mb.input_ids, position_ids=mb.position_ids,
+                                **block_forward_kwargs(mb.attention_blocks)).logits
+            logits.float().sum().backward()
+    finally:
+        blocks.zero_grad(set_to_none=True)
+        blocks.eval()
+    assert logits.dtype == torch.bfloat16  # the rest of the model did run in bf16
+    assert any("backward" in name for name, _ in mode.seen), mode.seen
+    assert {dtype for _, dtype in mode.seen} == {torch.float32}, mode.seen
