@@ -6,7 +6,7 @@ with today's default (lockstep, sampler and learner sharing both cores) for refe
     python benchmarks/bench_async.py --steps 8 --ks 0 1 --seeds 0 --no-reference     # a quick look
 
 Each run starts its own rewarder, sampler and learner (`dgrpo` commands on configs/cpu-demo.yaml and the demo
-task), so nothing else may run meanwhile: the figures are ratios within one invocation. Printed per run: steps
+task; the learner in bf16 autocast unless --learner-dtype float32), so nothing else may run meanwhile: the figures are ratios within one invocation. Printed per run: steps
 per hour (from the learner's own step times, validation and start-up excluded), the sampler's busy fraction (its
 seconds with a group in flight, from SamplerInfo.busy_seconds, over the training wall time), the learner's busy
 fraction (train + logprob + weight sync over its step time), mean reward of the first and last five steps. Then
