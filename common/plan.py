@@ -131,12 +131,13 @@ def layer_activation_bytes(m: ModelShape, dtype: str, device: str = "cuda") -> f
     (torch.autograd.graph.saved_tensors_hooks, weights excluded; tests/test_plan.py re-counts them):
     float32: 46·h + 16·I (the gated MLP's gate, up, silu(gate) and product at 4 B; per RMSNorm its input and
     output; q, k, v after repeat_kv, so at the full head count: no term in the KV width; the attention output).
-    bfloat16 autocast: 38·h + 8·I on CPU, where attention runs in fp32 (devices.fp32_attention_backward), 30·h + 8·I
-    elsewhere (the fp32 q, k, v and output copies, 8·h, are not made)."""
+    bfloat16 autocast: 46·h + 8·I on CPU, where the block attention runs in fp32 (devices.fp32_attention_backward:
+    its fp32 q, k, v and output are kept), 38·h + 8·I elsewhere, where sdpa runs in bf16 (counted on CPU while
+    autocast still cast sdpa's inputs to bf16 there; not re-counted on a device)."""
     h, inter = m.hidden, m.intermediate
     if dtype == "float32":
         return 46 * h + 16 * inter
-    return (38 if device == "cpu" else 30) * h + 8 * inter
+    return (46 if device == "cpu" else 38) * h + 8 * inter
 
 
 def micro_batch_tokens(cfg: Any) -> tuple[int, int]:
