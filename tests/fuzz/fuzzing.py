@@ -53,16 +53,18 @@ def ints(lo: int, hi: int) -> st.SearchStrategy[int]:
     return st.one_of(st.sampled_from(edges), st.integers(lo, hi))
 
 
-def texts() -> st.SearchStrategy[str]:
-    """Empty, short unicode (NUL, control characters, astral planes), and now and then a huge one."""
-    return st.one_of(
-        st.just(""), st.text(max_size=24), st.text(st.characters(codec="utf-8"), max_size=8).map(lambda s: s + "\0"),
-        st.sampled_from(["\0", "\u202e", "\U0010ffff", "🙂" * 100, "../../etc/passwd"]),
-        st.builds(lambda c, n: c * n, st.sampled_from("a\0é🙂"), st.sampled_from([4096, HUGE_TEXT])),
-    )
+def texts(huge: bool = True) -> st.SearchStrategy[str]:
+    """Empty, short unicode (NUL, control characters, astral planes), and (`huge`) now and then a long one of 4096
+    or HUGE_TEXT characters."""
+    short = [st.just(""), st.text(max_size=24),
+             st.text(st.characters(codec="utf-8"), max_size=8).map(lambda s: s + "\0"),
+             st.sampled_from(["\0", "\u202e", "\U0010ffff", "🙂" * 100, "../../etc/passwd"])]
+    if not huge:
+        return st.one_of(*short)
+    return st.one_of(*short, st.builds(lambda c, n: c * n, st.sampled_from("a\0é🙂"), st.sampled_from([4096, HUGE_TEXT])))
 
 
-def scalar(field: d.FieldDescriptor) -> st.SearchStrategy:
+def scalar(field: d.FieldDescriptor, huge: bool = True) -> st.SearchStrategy:
     t = field.type
     if t in _INTS:
         return ints(*_INTS[t])
@@ -75,7 +77,7 @@ def scalar(field: d.FieldDescriptor) -> st.SearchStrategy:
     if t == d.FieldDescriptor.TYPE_BOOL:
         return st.booleans()
     if t == d.FieldDescriptor.TYPE_STRING:
-        return texts()
+        return texts(huge)
     if t == d.FieldDescriptor.TYPE_BYTES:
         return st.binary(max_size=64)
     if t == d.FieldDescriptor.TYPE_ENUM:  # proto3 enums are open: unknown numbers travel too
@@ -83,16 +85,24 @@ def scalar(field: d.FieldDescriptor) -> st.SearchStrategy:
     raise TypeError(f"no strategy for field {field.full_name} of type {t}")
 
 
-def _repeated(element: st.SearchStrategy, long: int) -> st.SearchStrategy[list]:
-    """Short lists, or one element repeated `long` times (a long repeated field without drawing each element)."""
+def _repeated(element: st.SearchStrategy, bulk: st.SearchStrategy, long: int) -> st.SearchStrategy[list]:
+    """Short lists of `element`, or one `bulk` element repeated `long` or 3 x `long` times (a long repeated field
+    without drawing each element). `bulk` holds no long list and no huge text of its own, so sizes never multiply
+    across levels: a long list of long lists of huge texts was 10-20 GB in this process (the kernel killed it)."""
+    if long <= 0:
+        return st.lists(element, max_size=4)
     return st.one_of(st.lists(element, max_size=4),
-                     st.builds(lambda x, n: [x] * n, element, st.sampled_from([long, 3 * long])))
+                     st.builds(lambda x, n: [x] * n, bulk, st.sampled_from([long, 3 * long])))
 
 
 @st.composite
-def messages(draw, cls: type[Message], depth: int = 3, long: int = 300, overrides: dict | None = None) -> Message:
+def messages(draw, cls: type[Message], depth: int = 3, long: int = 300, overrides: dict | None = None,
+             huge: bool = True) -> Message:
     """A `cls` message with every field drawn (or left unset), oneofs one member or none, maps and nested messages to
-    `depth` levels. `overrides`: field name -> strategy, to keep an expensive field cheap (the sampler's n)."""
+    `depth` levels. `overrides`: field name -> strategy, to keep an expensive field cheap (the sampler's n). `long`:
+    the length of long repeated fields (0: none); `huge`: whether long texts may appear. Bodies stay far below the 256 MiB
+    limit: long texts only in the top two levels' short lists, long lists only of elements with short texts and
+    lists (tests/fuzz/test_fuzz_sizes.py)."""
     msg = cls()
     desc = msg.DESCRIPTOR
     chosen = {o.name: draw(st.sampled_from([None, *[f.name for f in o.fields]])) for o in desc.oneofs
@@ -114,8 +124,9 @@ def messages(draw, cls: type[Message], depth: int = 3, long: int = 300, override
             key_f, value_f = field.message_type.fields_by_name["key"], field.message_type.fields_by_name["value"]
             if depth <= 0 and value_f.message_type is not None:
                 continue
-            value_st = (messages(_cls(value_f), depth - 1, long) if value_f.message_type else scalar(value_f))
-            entries = draw(st.dictionaries(scalar(key_f), value_st, max_size=4))
+            value_st = (messages(_cls(value_f), depth - 1, long, huge=huge and depth > 2) if value_f.message_type
+                        else scalar(value_f, huge))
+            entries = draw(st.dictionaries(scalar(key_f, huge), value_st, max_size=4))
             target = getattr(msg, field.name)
             for k, v in entries.items():
                 if value_f.message_type:
@@ -126,11 +137,12 @@ def messages(draw, cls: type[Message], depth: int = 3, long: int = 300, override
         if field.message_type is not None:
             if depth <= 0:
                 continue
-            element = messages(_cls(field), depth - 1, max(long // 10, 2))
+            element = messages(_cls(field), depth - 1, max(long // 10, 2) if long > 0 else 0, huge=huge and depth > 2)
+            bulk = messages(_cls(field), depth - 1, 0, huge=False)
         else:
-            element = scalar(field)
+            element, bulk = scalar(field, huge), scalar(field, huge=False)
         if field.is_repeated:
-            _set(msg, field, draw(_repeated(element, long)))
+            _set(msg, field, draw(_repeated(element, bulk, long)))
         else:
             _set(msg, field, draw(element))
     return msg
