@@ -88,7 +88,7 @@ def scalar(field: d.FieldDescriptor, huge: bool = True) -> st.SearchStrategy:
 def _repeated(element: st.SearchStrategy, bulk: st.SearchStrategy, long: int) -> st.SearchStrategy[list]:
     """Short lists of `element`, or one `bulk` element repeated `long` or 3 x `long` times (a long repeated field
     without drawing each element). `bulk` holds no long list and no huge text of its own, so sizes never multiply
-    across levels: a long list of long lists of huge texts was 10-20 GB in this process (the kernel killed it)."""
+    across levels: a long list of groups with 200k-character Struct keys grew this process to 22 GB (OOM-killed)."""
     if long <= 0:
         return st.lists(element, max_size=4)
     return st.one_of(st.lists(element, max_size=4),
