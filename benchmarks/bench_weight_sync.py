@@ -26,6 +26,7 @@ import statistics
 import tempfile
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -81,21 +82,28 @@ def memcpy_gbps(nbytes: int, repeats: int = 5) -> float:
     return nbytes / statistics.median(times) / 1e9
 
 
-def vllm_reload_from_shm(replica: Replica, model_path: str, repeats: int) -> float:
-    """vLLM's own `reload_weights(weights_path=...)` from a copy of the checkpoint in /dev/shm (median seconds)."""
+@contextmanager
+def checkpoint_in_shm(model_path: str | Path):
+    """A copy of the checkpoint's files in /dev/shm (the anchor reads no disk), removed afterwards."""
     folder = Path(tempfile.mkdtemp(prefix="dgrpo-bench-ckpt-", dir="/dev/shm"))
     try:
         for f in Path(model_path).iterdir():
             if f.is_file():
                 shutil.copy(f, folder / f.name)
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def vllm_reload_from_shm(replica: Replica, model_path: str, repeats: int) -> float:
+    """vLLM's own `reload_weights(weights_path=...)` from a copy of the checkpoint in /dev/shm (median seconds)."""
+    with checkpoint_in_shm(model_path) as folder:
         times = []
         for _ in range(repeats):
             t = time.perf_counter()
             replica.run(replica.engine.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(folder)}))
             times.append(time.perf_counter() - t)
         return statistics.median(times)
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 def publish_round(pub, replicas, state, version: int, streamed: bool):

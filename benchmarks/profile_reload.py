@@ -13,11 +13,13 @@ import argparse
 import cProfile
 import os
 import pstats
-import shutil
 import statistics
-import tempfile
+import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_weight_sync import checkpoint_in_shm
 
 
 def main() -> None:
@@ -33,11 +35,7 @@ def main() -> None:
 
     path = resolve_model_path(None)
     llm = LLM(str(path), dtype="bfloat16", enforce_eager=True, max_model_len=512, max_num_seqs=8)
-    folder = Path(tempfile.mkdtemp(prefix="dgrpo-reload-", dir="/dev/shm"))
-    try:
-        for f in path.iterdir():
-            if f.is_file():
-                shutil.copy(f, folder / f.name)
+    with checkpoint_in_shm(path) as folder:
         times = []
         for _ in range(args.repeats):
             t = time.perf_counter()
@@ -49,8 +47,6 @@ def main() -> None:
         llm.collective_rpc("reload_weights", kwargs={"weights_path": str(folder)})
         profile.disable()
         pstats.Stats(profile).sort_stats("tottime").print_stats(args.top)
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -61,9 +61,9 @@ def prompt_block_attention(
     device = query.device.type
     # Under autocast q/k/v often arrive as fp32 already (RoPE's fp32 cos/sin promote them), and autocast would cast
     # them to bf16 for sdpa, which is on its lower-precision list: so the test is the dtype sdpa would run in.
-    low_precision = query.dtype != torch.float32 or torch.is_autocast_enabled(device)
-    upcast = low_precision and fp32_attention_backward(device)
-    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else query.dtype
+    autocast = torch.is_autocast_enabled(device)
+    upcast = (query.dtype != torch.float32 or autocast) and fp32_attention_backward(device)
+    dtype = torch.get_autocast_dtype(device) if autocast else query.dtype
     if upcast:
         query, key, value = query.float(), key.float(), value.float()
     with torch.autocast(device, enabled=False) if upcast else nullcontext():

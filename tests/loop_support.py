@@ -25,15 +25,10 @@ def start_rewarder(port: int) -> ServiceProcess:
                                        REWARD_SPEC], port)
 
 
-def sampler_version(address: str) -> int:
+def sampler_info(address: str) -> sampler_pb2.SamplerInfo:
+    """The replica's Info: its weight version, the requests its engine runs now, ..."""
     with grpc.insecure_channel(address) as ch:
-        return sampler_pb2_grpc.SamplerStub(ch).Info(sampler_pb2.InfoRequest(), timeout=10).weight_version
-
-
-def sampler_running(address: str) -> int:
-    """Requests the replica's engine is running now (its Info RPC)."""
-    with grpc.insecure_channel(address) as ch:
-        return sampler_pb2_grpc.SamplerStub(ch).Info(sampler_pb2.InfoRequest(), timeout=10).running_requests
+        return sampler_pb2_grpc.SamplerStub(ch).Info(sampler_pb2.InfoRequest(), timeout=10)
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -16,7 +16,7 @@ from pathlib import Path
 import grpc
 import pytest
 import yaml
-from loop_support import fixed_port, read_jsonl, sampler_running, sampler_version, start_rewarder
+from loop_support import fixed_port, read_jsonl, sampler_info, start_rewarder
 from support import ServiceProcess, free_port
 
 from dgrpo.v1 import learner_pb2, learner_pb2_grpc
@@ -114,7 +114,7 @@ def test_staleness_never_exceeds_k_and_batches_run_ahead(stack):
     vals = [r for r in read_jsonl(root / "runs" / "k2" / "metrics.jsonl") if "val/reward_mean" in r]
     assert [r["step"] for r in vals] == [2, 4]
     for svc in stack["samplers"]:
-        assert sampler_version(svc.address) == 4
+        assert sampler_info(svc.address).weight_version == 4
 
 
 def test_stop_then_resume_continues_the_data_order_of_the_trained_batches(stack):
@@ -170,7 +170,7 @@ def test_replica_killed_mid_run_loses_and_duplicates_nothing(stack):
     # Killed while its engine runs the learner's requests (early on, batches ahead are in flight on both
     # replicas): killed between bursts, no stream would fail and the test would prove nothing.
     deadline = time.monotonic() + 300
-    while sampler_running(victim.address) == 0:
+    while sampler_info(victim.address).running_requests == 0:
         assert proc.poll() is None, proc.stderr.read()[-6000:]
         assert time.monotonic() < deadline, "the victim never ran a request"
         time.sleep(0.05)

@@ -19,7 +19,7 @@ import grpc
 import pytest
 import torch
 import yaml
-from loop_support import fixed_port, read_jsonl, sampler_version, start_rewarder
+from loop_support import fixed_port, read_jsonl, sampler_info, start_rewarder
 from support import ServiceProcess, free_port
 
 from dgrpo.v1 import learner_pb2, learner_pb2_grpc, sampler_pb2
@@ -98,7 +98,7 @@ def test_short_run_trains_publishes_and_logs(stack, tiny_model):
     trained = torch.load(root / "ckpt_a" / "step_2" / "model.pt", weights_only=True)
     assert any(not torch.equal(trained[k].float(), initial[k].float()) for k in initial if k in trained)
     for svc in stack["samplers"]:  # every replica loaded the last version
-        assert sampler_version(svc.address) == 2
+        assert sampler_info(svc.address).weight_version == 2
 
 
 def test_resume_repeats_the_uninterrupted_step_and_stop_rpc(stack):
