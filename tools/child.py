@@ -111,30 +111,37 @@ def _mounts() -> list[tuple[str, int]]:
     return out
 
 
-def _blocking_ancestor(path: str) -> str | None:
-    """The highest folder on the way to `path` that an unrelated uid cannot traverse (e.g. /root, mode 700)."""
+def _blocking_ancestor(path: str, itself: bool = False) -> str | None:
+    """The highest folder on the way to `path` that an unrelated uid cannot traverse (e.g. /root, mode 700); with
+    `itself`, a folder `path` that it cannot enter counts too (a checkout made by `mktemp -d` is 0700)."""
     parts = path.strip("/").split("/")
-    for i in range(len(parts)):
+    for i in range(len(parts) + (1 if itself and os.path.isdir(path) else 0)):
         folder = "/" + "/".join(parts[:i])
         if not os.stat(folder).st_mode & 0o001:
             return folder
     return None
 
 
-def _expose(paths: list[str]) -> list[str]:
+def _expose(paths: list[str], entered: frozenset[str] = frozenset()) -> list[str]:
     """Make `paths` reachable for the tool's uid although a parent (often /root, home of pyenv; pytest's 0700
     /tmp/pytest-of-<user>) is private: cover that parent with an empty tmpfs and bind back only these paths. Nothing
     else under it stays visible. A bound folder can hold a private folder deeper on the way to another path (the
-    scratch below the checkout): each round uncovers one more level, until every path is reachable."""
+    scratch below the checkout): each round uncovers one more level, until every path is reachable. A folder in
+    `entered` must also be entered by the tool (our package's root, the tool file's folder): when it is private
+    itself, it is covered in turn and each of its entries bound back."""
     shown: list[str] = []
     wanted = sorted({p for p in paths if os.path.exists(p)})  # sorted: a folder comes before what is inside it
     for _ in range(16):
         by_parent: dict[str, list[str]] = {}
         for p in wanted:
-            parent = _blocking_ancestor(p)
-            if parent is None or parent == p:
+            parent = _blocking_ancestor(p, itself=p in entered)
+            if parent is None:
                 continue  # reachable as it is
             inner = by_parent.setdefault(parent, [])
+            if parent == p:  # the folder itself is private: its entries go back, not the folder
+                entries = (os.path.join(p, e) for e in sorted(os.listdir(p)))
+                inner.extend(q for q in entries if os.path.exists(q) and q not in inner)  # not dangling links
+                continue
             if not any(p == q or p.startswith(q + "/") for q in inner):  # bound with a folder above it
                 inner.append(p)
         if not by_parent:
@@ -164,7 +171,7 @@ def _readonly_except(scratch: str, needed: list[str]) -> list[str]:
     the paths re-exposed behind a private parent."""
     _mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing we do propagates back to the host
     _mount(scratch, scratch, None, MS_BIND)
-    shown = _expose([*needed, scratch])
+    shown = _expose([*needed, scratch], entered=frozenset(needed))
     failed = []
     for point, flags in _mounts():
         if point == scratch:

@@ -276,3 +276,20 @@ def test_scratch_behind_private_folders_below_the_tools_folder(tmp_path):
         assert res.ok and res.text.startswith(str(private / "scratch")), res
     finally:
         r.close()
+
+
+def test_a_private_tool_folder_is_entered(tmp_path):
+    """The tool file's folder (like a checkout made by `mktemp -d`, the package root then) is 0700 itself: the
+    sandbox shows its entries, and the call imports the user's file from it."""
+    shared = tmp_path / "checkout"
+    shared.mkdir()
+    (shared / "mine.py").write_text("import helper\n\ndef here():\n    return helper.WORD\n")
+    (shared / "helper.py").write_text("WORD = 'found'\n")
+    (shared / "tools.yaml").write_text(_schema("here").replace("hostile.py", "mine.py").join(["tools:\n", ""]))
+    shared.chmod(0o700)
+    r = ToolRunner(load_tool_config(shared / "tools.yaml"), ToolLimits(timeout_s=5), tmp_path / "scratch")
+    try:
+        res = r.run(ToolCall("here", {}, ""))
+        assert res.ok and res.text == "found", res
+    finally:
+        r.close()
