@@ -51,7 +51,7 @@ class Replica:
             )
 
         self.engine = self.run(create(), 600)
-        target = EngineWeightTarget(self.engine, cfg.pause_mode)
+        target = EngineWeightTarget(self.engine, cfg)
         self.run(target.start())
         self.loader = WeightSubscriber(cfg, target, checkpoint_shapes(model_path))
         self.run(self.loader.start())

@@ -93,7 +93,7 @@ async def serve(model: ModelConfig, sampler: SamplerConfig, weights: WeightSyncC
         from dgrpo.sampler.weight_target import EngineWeightTarget
         from dgrpo.weights.subscriber import WeightSubscriber, checkpoint_shapes
 
-        target = EngineWeightTarget(engine, weights.pause_mode)
+        target = EngineWeightTarget(engine, weights)
         await target.start()
         # The gRPC token also keys the weight channel (TLS does not apply to it): only the run's learner is followed.
         subscriber = WeightSubscriber(weights, target, checkpoint_shapes(model_path),

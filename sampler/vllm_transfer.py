@@ -12,9 +12,11 @@ two `update_weights` calls inside one update session, so that with tensor parall
 or none does (collective_rpc returns only when every worker has answered):
 1. `phase="stage"` (generation running): open the slot in place and verify every checksum; the model is untouched,
    so a corrupt version is refused while the old weights keep serving.
-2. `phase="apply"` (generation paused): vLLM's layerwise reload (`initialize_layerwise_reload` -> `load_weights`
-   -> `finalize_layerwise_reload`) straight from the slot, then the seqlock check: a rewrite that overlapped the
-   load raises, and the caller loads another version before it resumes generation.
+2. `phase="apply"` (generation paused): the reload straight from the slot, then the seqlock check: a rewrite that
+   overlapped the load raises, and the caller loads another version before it resumes generation. The reload is
+   the direct one (sampler/cpu_reload.py) where the model allows it (`weights.reload=auto` on vLLM-CPU, plain and
+   unquantized layers), else vLLM's layerwise reload (`initialize_layerwise_reload` -> `load_weights` ->
+   `finalize_layerwise_reload`).
 A streamed version (announced while the learner still writes it) skips 1: `apply` reads each tensor as soon as it
 is written and checks its checksum first, so the learner's write and this load overlap.
 A raw `load_weights` on a running engine is wrong: vLLM-CPU repacks linear weights after the first load (the
@@ -34,6 +36,12 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
 )
+from vllm.logger import init_logger
+
+from dgrpo.sampler.cpu_reload import DirectReload
+
+# Under vLLM's logger: a worker process configures no other.
+log = init_logger("vllm.dgrpo.transfer")
 
 BACKEND = "dgrpo_shm"
 # vLLM hands a worker's exception to the API process as its message only: these prefixes keep its kind.
@@ -54,6 +62,8 @@ class SlotInitInfo(WeightTransferInitInfo):
     """What the API process tells each worker once: the weight channel's protocol revision it speaks."""
 
     protocol: int
+    reload: Literal["auto", "layerwise"] = "auto"
+    """weights.reload: auto takes the direct reload (sampler/cpu_reload.py) where the model allows it."""
 
 
 @dataclass
@@ -83,13 +93,24 @@ class SlotTransferEngine(WeightTransferEngine[SlotInitInfo, SlotUpdateInfo]):
         # afresh costs a page fault per 4 KiB page on first touch, every version.
         self._maps: dict[str, tuple[tuple[int, int], Any]] = {}
         self._aliases: dict[str, str] | None = None
+        self._direct = None  # a DirectReload when the model is eligible and weights.reload allows it
+        self._direct_built = None  # kept across re-inits: its staging tensors are a copy of the weights
 
     def init_transfer_engine(self, init_info: SlotInitInfo) -> None:
         from dgrpo.weights.protocol import PROTOCOL
 
         if init_info.protocol != PROTOCOL:
             raise RuntimeError(f"weight channel protocol {init_info.protocol} asked, this worker speaks {PROTOCOL}")
+        if init_info.reload not in ("auto", "layerwise"):
+            raise ValueError(f"weights.reload {init_info.reload!r}: expected 'auto' or 'layerwise'")
         self._tied_aliases()  # before the first reload unties them
+        self._direct = None
+        refusal = DirectReload.refusal(self.model) if init_info.reload == "auto" else "weights.reload=layerwise"
+        if refusal is None:
+            self._direct = self._direct_built = self._direct_built or DirectReload(self.model)
+            log.info("dgrpo_shm: weight versions load directly into kept checkpoint-format tensors (cpu_reload)")
+        else:
+            log.info("dgrpo_shm: weight versions load through vLLM's layerwise reload (%s)", refusal)
 
     def start_weight_update(self) -> None:
         """Nothing to prepare: the layerwise reload starts in `apply`, once generation is paused."""
@@ -200,16 +221,22 @@ class SlotTransferEngine(WeightTransferEngine[SlotInitInfo, SlotUpdateInfo]):
                     sent[name] = tensor
                 yield name, tensor
 
+        def load_aliases():
+            # A tied output layer gets no weight of its own (checkpoints and the learner carry the embedding once,
+            # and load_weights skips lm_head.* for tied models), so a reload would put its old tensors back and the
+            # sampler would keep the first version's output layer. Load it from its source.
+            for alias, source in aliases.items():
+                tensor = sent.get(alias, sent.get(source))  # its own tensor when the publisher sent one
+                if tensor is not None:
+                    param = model.get_parameter(alias)
+                    getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+
+        if self._direct is not None:
+            self._direct.load(passing(), load_aliases)
+            return
         initialize_layerwise_reload(model)
         model.load_weights(passing())
-        # A tied output layer gets no weight of its own (checkpoints and the learner carry the embedding once, and
-        # load_weights skips lm_head.* for tied models), so the layerwise reload would put its old tensors back and
-        # the sampler would keep the first version's output layer. Load it from its source.
-        for alias, source in aliases.items():
-            tensor = sent.get(alias, sent.get(source))  # its own tensor when the publisher sent one
-            if tensor is not None:
-                param = model.get_parameter(alias)
-                getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+        load_aliases()
         finalize_layerwise_reload(model, self.model_config)
 
     def _tied_aliases(self) -> dict[str, str]:

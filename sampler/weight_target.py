@@ -4,7 +4,7 @@ It drives vLLM's weight-transfer contract with our `dgrpo_shm` engine (sampler/v
 
     start_weight_update -> update_weights(stage)        generation running: open + verify in place
     pause_generation(weights.pause_mode)
-      update_weights(apply)                            layerwise reload from the slot + overlap check
+      update_weights(apply)                            reload from the slot + overlap check
                                                        (streamed: no stage; each tensor checked as it is read)
       finish_weight_update(version)                    vLLM records the version too
       reset_prefix_cache                               KV blocks of the old weights are never reused
@@ -21,21 +21,22 @@ from contextlib import asynccontextmanager
 
 from dgrpo.sampler.engine import SamplerEngine
 from dgrpo.sampler.vllm_transfer import INTEGRITY_MARK, TORN_MARK
+from dgrpo.weights.config import WeightSyncConfig
 from dgrpo.weights.protocol import PROTOCOL
 from dgrpo.weights.slot import WeightIntegrityError
 from dgrpo.weights.subscriber import SlotRef, TornLoad, WeightChannelBroken
 
 
-def transfer_engine_init_info() -> dict:
+def transfer_engine_init_info(reload: str = "auto") -> dict:
     """`init_weight_transfer_engine`'s payload for `dgrpo_shm`."""
-    return {"protocol": PROTOCOL}
+    return {"protocol": PROTOCOL, "reload": reload}
 
 
 class EngineWeightTarget:
     """Loads weight versions into one SamplerEngine's vLLM workers."""
 
-    def __init__(self, engine: SamplerEngine, pause_mode: str):
-        self.engine, self.pause_mode = engine, pause_mode
+    def __init__(self, engine: SamplerEngine, cfg: WeightSyncConfig):
+        self.engine, self.pause_mode, self.reload = engine, cfg.pause_mode, cfg.reload
         self._session = False
 
     @property
@@ -43,10 +44,11 @@ class EngineWeightTarget:
         return self.engine.weight_version
 
     async def start(self) -> None:
-        """Hand each worker's engine the protocol revision (once, before the first version)."""
+        """Hand each worker's engine the protocol revision and the reload method (before the first version)."""
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
-        await self.engine.llm.init_weight_transfer_engine(WeightTransferInitRequest(transfer_engine_init_info()))
+        await self.engine.llm.init_weight_transfer_engine(
+            WeightTransferInitRequest(transfer_engine_init_info(self.reload)))
 
     async def stage(self, ref: SlotRef) -> None:
         await self._open_session()

@@ -85,7 +85,7 @@ def follow(aio, engine, cfg, weights_model):
     from dgrpo.sampler.weight_target import EngineWeightTarget
     from dgrpo.weights.subscriber import WeightSubscriber, checkpoint_shapes
 
-    target = EngineWeightTarget(engine, cfg.pause_mode)
+    target = EngineWeightTarget(engine, cfg)
     aio.run(target.start())
     subscriber = WeightSubscriber(cfg, target, checkpoint_shapes(weights_model))
     aio.run(subscriber.start())
