@@ -12,7 +12,7 @@ replica records the version, and the median of the per-round ratios to the ancho
 The replicas' API sides share this process (each AsyncLLM in its own event-loop thread), their vLLM engines and
 workers are separate processes as in `dgrpo sampler`; the heavy steps (verify, reload) run in those workers.
 
-    python benchmarks/bench_weight_sync.py [--rounds 5] [--replicas 2] [--transport shm|tcp]
+    python benchmarks/bench_weight_sync.py [--rounds 5] [--replicas 2] [--transport shm|tcp] [--reload auto|layerwise]
 """
 
 from __future__ import annotations
@@ -140,6 +140,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds (after one warm-up)")
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--transport", choices=["shm", "tcp"], default="shm")
+    parser.add_argument("--reload", choices=["auto", "layerwise"], default="auto",
+                        help="weights.reload of the replicas (auto: the direct reload on vLLM-CPU)")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
@@ -151,7 +153,7 @@ def main() -> None:
     from dgrpo.weights.publisher import WeightPublisher
 
     model_path = str(resolve_model_path(None))
-    cfg = WeightSyncConfig(transport=args.transport, host="127.0.0.1", bind_host="127.0.0.1",
+    cfg = WeightSyncConfig(transport=args.transport, reload=args.reload, host="127.0.0.1", bind_host="127.0.0.1",
                            announce_port=free_port(), control_port=free_port())
     learner = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)  # fp32 master weights
     state = dict(learner.named_parameters())
@@ -180,7 +182,7 @@ def main() -> None:
     for r in replicas:
         r.close()
     bandwidth = memcpy_gbps(nbytes)
-    print(f"\nweight sync, {args.transport}, {args.replicas} replicas, {nbytes / 1e6:.0f} MB bf16 per version")
+    print(f"\nweight sync, {args.transport}, reload {args.reload}, {args.replicas} replicas, {nbytes / 1e6:.0f} MB bf16 per version")
     for mode in modes:
         report(f"{mode} versions", rows[mode], anchors, args.replicas)
     print("\nanchors, measured in the same rounds (quiet-machine figures in docs/weight_sync.md: memcpy 13-16 GB/s, "
