@@ -80,7 +80,7 @@ class SlotUpdateInfo(WeightTransferUpdateInfo):
 
 
 class SlotTransferEngine(WeightTransferEngine[SlotInitInfo, SlotUpdateInfo]):
-    """Worker side: stage (open + verify in place), then apply (layerwise reload + overlap check)."""
+    """Worker side: stage (open + verify in place), then apply (direct or layerwise reload + overlap check)."""
 
     init_info_cls = SlotInitInfo
     update_info_cls = SlotUpdateInfo
@@ -113,7 +113,7 @@ class SlotTransferEngine(WeightTransferEngine[SlotInitInfo, SlotUpdateInfo]):
             log.info("dgrpo_shm: weight versions load through vLLM's layerwise reload (%s)", refusal)
 
     def start_weight_update(self) -> None:
-        """Nothing to prepare: the layerwise reload starts in `apply`, once generation is paused."""
+        """Nothing to prepare: the reload runs in `apply`, once generation is paused."""
 
     def finish_weight_update(self) -> None:
         self._release()
