@@ -103,15 +103,15 @@ class DirectReload:
     def _staging(self, layer: torch.nn.Module, meta: torch.Tensor) -> torch.nn.Parameter:
         """A real tensor shaped and typed like the checkpoint's, with the parameter's attributes (its loader bound to
         `layer` again: vLLM keeps them unbound), whose loader records that it ran."""
+        from vllm.model_executor.model_loader.reload.layerwise import _get_original_loader
         from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
-        from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
         tensor = torch.zeros(meta.shape, dtype=meta.dtype, device="cpu")
         tensor.__class__ = meta.__class__
         tensor.__dict__ = meta.__dict__.copy()
         restore_layer_refs(tensor, layer)
         tensor.requires_grad_(False)
-        loader = _unwrapped(getattr(tensor, "weight_loader", default_weight_loader))
+        loader = _get_original_loader(tensor)  # without the wrappers an earlier layerwise reload left on the metadata
         tensor.weight_loader = self._recording(loader, id(tensor))
         return tensor
 
@@ -131,13 +131,6 @@ def _restore_params(layer: torch.nn.Module) -> dict[str, torch.Tensor]:
 
     info = LAYERWISE_INFO.get(layer)
     return dict(info.restore_metadata[0]) if info is not None else {}
-
-
-def _unwrapped(loader: Callable | None) -> Callable | None:
-    """The parameter's own loader, without the wrappers an earlier layerwise reload may have left on its metadata."""
-    while loader is not None and getattr(loader, "__name__", "") == "online_process_loader":
-        loader = loader.__wrapped__
-    return loader
 
 
 def _process(layer: torch.nn.Module) -> None:
