@@ -47,9 +47,15 @@ def main() -> None:
 
         def direct_reload():
             tensors = {name: f.get_tensor(name) for f in files for name in sorted(f.keys())}
-            head = model.get_parameter("lm_head.weight")  # tied: loaded from the embedding, as our engine does
+
+            def load_head():
+                # Tied: loaded from the embedding, as our engine does. Looked up inside the load, where the name
+                # resolves to the head's staging tensor (before it, to the tensor the engine runs with).
+                head = model.get_parameter("lm_head.weight")
+                head.weight_loader(head, tensors["model.embed_tokens.weight"])
+
             with torch.no_grad():
-                direct.load(iter(tensors.items()), lambda: head.weight_loader(head, tensors["model.embed_tokens.weight"]))
+                direct.load(iter(tensors.items()), load_head)
 
         methods = {
             "vLLM reload_weights (layerwise)": lambda: llm.collective_rpc("reload_weights",

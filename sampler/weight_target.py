@@ -3,7 +3,7 @@
 It drives vLLM's weight-transfer contract with our `dgrpo_shm` engine (sampler/vllm_transfer.py):
 
     start_weight_update -> update_weights(stage)        generation running: open + verify in place
-    pause_generation(weights.pause_mode)
+    pause the scheduler (weights.pause_mode)          vLLM's pause_generation less its fixed 20 ms sleep
       update_weights(apply)                            reload from the slot + overlap check
                                                        (streamed: no stage; each tensor checked as it is read)
       finish_weight_update(version)                    vLLM records the version too
@@ -62,8 +62,12 @@ class EngineWeightTarget:
     async def paused(self) -> AsyncIterator[float]:
         t0 = time.perf_counter()
         llm = self.engine.llm
-        # clear_cache=False: the prefix cache is reset once, after the load (set_version).
-        await llm.pause_generation(mode=self.pause_mode, clear_cache=False)
+        # vLLM's pause_generation is this call and then a fixed 20 ms sleep, there only so that its caller sees
+        # in-flight requests' last outputs first ("not required for correctness"). The engine sends those outputs
+        # before the pause's reply, and a completion reads its version once its last output is in, which the
+        # event loop runs long before the load's replies (and set_version) arrive: the sleep would only add 20 ms
+        # to every version. clear_cache=False: the prefix cache is reset once, after the load (set_version).
+        await llm.engine_core.pause_scheduler_async(mode=self.pause_mode, clear_cache=False)
         try:
             yield time.perf_counter() - t0
         except WeightChannelBroken:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import time
 
 import pytest
 import torch
@@ -250,6 +251,49 @@ def test_min_weight_version_fences_generation(engine, aio, synced, original, ver
     pub.publish(perturbed(original, seed=7).items(), target)
     groups = waiting.result(90)
     assert [c.weight_version for c in groups[0].completions] == [target, target]
+
+
+def completion_logprobs(model, weights: dict[str, torch.Tensor], token_ids: list[int]) -> torch.Tensor:
+    """transformers' logprob of each completion token after PROMPT, under `weights`."""
+    ids = PROMPT + token_ids
+    return reference_logprobs(model, weights, ids)[len(PROMPT) - 1:]
+
+
+def test_wait_mode_completions_come_from_the_version_they_name(engine, aio, synced, hf_model, original, versions):
+    """weights.pause_mode=wait (the default): requests running when a version is published finish on the old
+    weights during the pause, and every completion's weight_version is the version that produced each of its
+    tokens (its logprobs checked against transformers under that version)."""
+    from dgrpo.sampler.engine import PromptInput, SamplingRequest
+
+    pub, _ = synced
+    old, new = versions(), versions()
+    weights = {old: perturbed(original, seed=31), new: perturbed(original, seed=32)}
+    publish_and_wait(aio, engine, pub, weights[old], old)
+
+    async def sample(tag: str, max_tokens: int) -> list[tuple[float, object]]:
+        prompts = [PromptInput(id=f"{tag}-{i}", token_ids=PROMPT) for i in range(2)]
+        groups = engine.generate(prompts, SamplingRequest(max_tokens=max_tokens))
+        return [(time.perf_counter(), c) async for group in groups for c in group.completions]
+
+    in_flight = asyncio.run_coroutine_threadsafe(sample("long", 96), aio.loop)
+    deadline = time.monotonic() + 60
+    while engine.llm.output_processor.get_num_unfinished_requests() < 2 and time.monotonic() < deadline:
+        time.sleep(0.002)
+    time.sleep(0.2)  # a few engine steps: scheduled and running (96 tokens take seconds here), not finished
+    published_at = time.perf_counter()
+    publish_and_wait(aio, engine, pub, weights[new], new)
+    long_ones = in_flight.result(60)
+    after = aio.run(sample("after", 24))
+
+    # A request already running when the pause began finishes on the old weights; one the scheduler had not
+    # started yet waits for the new ones. Either way its weight_version is the one that produced its tokens.
+    assert all((c.first_weight_version, c.finish_reason) == (old, "length") for _, c in long_ones)
+    assert any(c.weight_version == old and when > published_at for when, c in long_ones)
+    assert [c.weight_version for _, c in after] == [new, new]
+    for _, c in long_ones + after:
+        torch.testing.assert_close(torch.tensor(c.logprobs), completion_logprobs(hf_model, weights[c.weight_version],
+                                                                                 c.token_ids), atol=2e-3, rtol=0)
+    publish_and_wait(aio, engine, pub, original, versions())
 
 
 def test_manifest_not_matching_the_checkpoint_is_rejected(engine, aio, synced, original, versions):
