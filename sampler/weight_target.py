@@ -62,11 +62,10 @@ class EngineWeightTarget:
     async def paused(self) -> AsyncIterator[float]:
         t0 = time.perf_counter()
         llm = self.engine.llm
-        # vLLM's pause_generation is this call and then a fixed 20 ms sleep, there only so that its caller sees
-        # in-flight requests' last outputs first ("not required for correctness"). The engine sends those outputs
-        # before the pause's reply, and a completion reads its version once its last output is in, which the
-        # event loop runs long before the load's replies (and set_version) arrive: the sleep would only add 20 ms
-        # to every version. clear_cache=False: the prefix cache is reset once, after the load (set_version).
+        # pause_generation less its fixed 20 ms sleep (vLLM: "not required for correctness"): the engine sends
+        # in-flight requests' last outputs before this reply, and their completions read their version long before
+        # the load's replies and set_version come back. clear_cache=False: the prefix cache is reset once, after
+        # the load (set_version).
         await llm.engine_core.pause_scheduler_async(mode=self.pause_mode, clear_cache=False)
         try:
             yield time.perf_counter() - t0
