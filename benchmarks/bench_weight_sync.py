@@ -13,6 +13,7 @@ The replicas' API sides share this process (each AsyncLLM in its own event-loop 
 workers are separate processes as in `dgrpo sampler`; the heavy steps (verify, reload) run in those workers.
 
     python benchmarks/bench_weight_sync.py [--rounds 5] [--replicas 2] [--transport shm|tcp] [--reload auto|layerwise]
+                                           [--cpu-cores auto|all|0-3]
 """
 
 from __future__ import annotations
@@ -142,8 +143,14 @@ def main() -> None:
     parser.add_argument("--transport", choices=["shm", "tcp"], default="shm")
     parser.add_argument("--reload", choices=["auto", "layerwise"], default="auto",
                         help="weights.reload of the replicas (auto: the direct reload on vLLM-CPU)")
+    parser.add_argument("--cpu-cores", default="auto",
+                        help="sampler.cpu_cores of the replicas (auto: vLLM's binding, one core per worker on 2 cores; "
+                             "all: every core, none reserved)")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from dgrpo.common.devices import cpu_thread_binding
+
+    os.environ.update(cpu_thread_binding(args.cpu_cores))  # what `dgrpo sampler` sets for its engine
 
     import torch
     from transformers import AutoModelForCausalLM
@@ -182,7 +189,8 @@ def main() -> None:
     for r in replicas:
         r.close()
     bandwidth = memcpy_gbps(nbytes)
-    print(f"\nweight sync, {args.transport}, reload {args.reload}, {args.replicas} replicas, {nbytes / 1e6:.0f} MB bf16 per version")
+    print(f"\nweight sync, {args.transport}, reload {args.reload}, cpu cores {args.cpu_cores}, {args.replicas} replicas, "
+          f"{nbytes / 1e6:.0f} MB bf16 per version")
     for mode in modes:
         report(f"{mode} versions", rows[mode], anchors, args.replicas)
     print("\nanchors, measured in the same rounds (quiet-machine figures in docs/weight_sync.md: memcpy 13-16 GB/s, "
