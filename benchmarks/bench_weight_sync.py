@@ -149,8 +149,10 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from dgrpo.common.devices import cpu_thread_binding
+    from dgrpo.sampler.config import SamplerConfig
 
-    os.environ.update(cpu_thread_binding(args.cpu_cores))  # what `dgrpo sampler` sets for its engine
+    cores = SamplerConfig(cpu_cores=args.cpu_cores).cpu_cores  # refused as `dgrpo sampler` refuses it
+    os.environ.update(cpu_thread_binding(cores))  # what `dgrpo sampler` sets for its engine
 
     import torch
     from transformers import AutoModelForCausalLM
