@@ -275,11 +275,11 @@ def test_wait_mode_completions_come_from_the_version_they_name(engine, aio, sync
         groups = engine.generate(prompts, SamplingRequest(max_tokens=max_tokens))
         return [(time.perf_counter(), c) async for group in groups for c in group.completions]
 
-    in_flight = asyncio.run_coroutine_threadsafe(sample("long", 96), aio.loop)
+    in_flight = asyncio.run_coroutine_threadsafe(sample("long", 100), aio.loop)  # 18 + 100 of 128 tokens
     deadline = time.monotonic() + 60
     while engine.llm.output_processor.get_num_unfinished_requests() < 2 and time.monotonic() < deadline:
         time.sleep(0.002)
-    time.sleep(0.2)  # a few engine steps: scheduled and running (96 tokens take seconds here), not finished
+    time.sleep(0.1)  # a few engine steps: scheduled and running, far from their 100th token
     published_at = time.perf_counter()
     publish_and_wait(aio, engine, pub, weights[new], new)
     long_ones = in_flight.result(60)
