@@ -31,7 +31,7 @@ class WeightSyncConfig(StrictConfig):
     """Directory of POSIX shared memory (Linux: /dev/shm, what shm_open uses). Segments are 0600 files named
     dgrpo-w-<run>-<pid>-s<slot>; containers sharing it need a common IPC namespace / /dev/shm mount."""
     pause_mode: Literal["wait", "keep", "abort"] = "wait"
-    """How a sampler pauses around a load (vLLM's pause modes). wait: in-flight requests finish on the old
+    """How a sampler pauses around a load (vLLM's pause modes). wait: requests already running finish on the old
     weights first, so every completion comes from exactly one version (its weight_version is exact). keep: freeze
     in-flight requests and continue them on the new weights (faster swap; such completions span two versions).
     abort: drop in-flight requests."""
