@@ -18,6 +18,7 @@ reordered on x86-64 (TSO); on weakly ordered CPUs (ARM) a fence would be needed 
 from __future__ import annotations
 
 import struct
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator
@@ -256,7 +257,6 @@ class SlotReader:
         if self.streamed and header.table_off + 8 * len(self.manifest.tensors) > header.data_end:
             raise WeightIntegrityError(f"version {version}: the checksum table lies outside the slot")
         self._table_off = header.table_off
-        self._abandoned = False
         self._data = np.frombuffer(buf, dtype=np.uint8, count=header.used_bytes)
 
     def release(self) -> None:
@@ -288,21 +288,24 @@ class SlotReader:
             yield from self._views(entries)
             return
         pool = ThreadPoolExecutor(1, thread_name_prefix="dgrpo-slot-check")
+        # Set when this iteration ends, so a check still waiting on the writer gives up at its next poll. Only that
+        # check: `check_intact`, which waits for the same write to finish afterwards, must not see it.
+        given_up = threading.Event()
         try:
-            pending = pool.submit(self._ready, 0, verify)
+            pending = pool.submit(self._ready, 0, verify, given_up)
             for i, t in enumerate(entries):
                 pending.result()
                 if i + 1 < len(entries):
-                    pending = pool.submit(self._ready, i + 1, verify)
+                    pending = pool.submit(self._ready, i + 1, verify, given_up)
                 yield from self._views([t])
         finally:
-            self._abandoned = True  # a check still waiting on the writer gives up at its next poll
+            given_up.set()
             pool.shutdown(wait=False, cancel_futures=True)
 
-    def _ready(self, i: int, verify: bool) -> None:
+    def _ready(self, i: int, verify: bool, given_up: threading.Event) -> None:
         t, expected = self.manifest.tensors[i], self.manifest.tensors[i].xxh3
         if self.streamed:
-            self._wait_written(i)
+            self._wait_written(i, given_up=given_up)
             expected = struct.unpack_from("<Q", self.buf, self._table_off + 8 * i)[0]
         if verify:
             self._verify_one(t, expected)
@@ -320,9 +323,9 @@ class SlotReader:
             raise WeightIntegrityError(
                 f"version {self.version}: checksum mismatch in {t.name} ({got:#x} != {expected:#x})")
 
-    def _wait_written(self, count: int, final: bool = False) -> None:
+    def _wait_written(self, count: int, final: bool = False, given_up: threading.Event | None = None) -> None:
         """Until the streamed write has `count` tensors complete (`final`: has finished); raise if it was abandoned,
-        overwritten, or made no progress for `stall_timeout_s`."""
+        overwritten, or made no progress for `stall_timeout_s`, or once `given_up` is set (its reader went away)."""
         last, since = -1, time.monotonic()
         while True:
             seq_now, progress = read_seq(self.buf), read_progress(self.buf)
@@ -333,7 +336,7 @@ class SlotReader:
                                            f"(seq {self.seq} -> {seq_now}); torn read rejected")
             if seq_now == self.final_seq or (not final and progress > count):
                 return
-            if self._abandoned:
+            if given_up is not None and given_up.is_set():
                 raise WeightIntegrityError(f"version {self.version}: the read was abandoned")
             if progress != last:
                 last, since = progress, time.monotonic()

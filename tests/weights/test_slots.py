@@ -171,6 +171,37 @@ def test_a_streamed_version_is_read_while_it_is_written(sync_cfg):
         sub.close(linger=0)
 
 
+def test_a_streamed_read_that_outruns_the_writers_finish_waits_for_it(sync_cfg):
+    """The loader can take the last tensor before the writer has made the slot complete (its gather still running,
+    the final manifest not yet written): `check_intact` then waits for the finish instead of calling the read
+    abandoned. (Seen in CI: a replica gave up its first version this way and shut down.)"""
+    cfg = sync_cfg()
+    weights = state(4.0)
+    layout = [(name, list(t.shape)) for name, t in weights.items()]
+    held, release = threading.Event(), threading.Event()
+
+    def then_held():
+        yield from weights.items()
+        held.set()  # every tensor is written; the writer now waits on its source before finishing
+        release.wait(10)
+
+    with WeightPublisher(cfg, "finish", dtype="float32") as pub, zmq.Context() as ctx:
+        sub = _subscribed(ctx, cfg)
+        writer = threading.Thread(target=pub.publish, args=(then_held(), 1), kwargs={"layout": layout})
+        writer.start()
+        early = protocol.decode_announcement(sub.recv_multipart())
+        assert held.wait(10)
+        reader = reader_of(early, cfg)
+        assert [float(t[0, 0]) for _, t in reader.tensors(verify=True)] == [4.0] * 4
+        threading.Timer(0.3, release.set).start()
+        t0 = time.monotonic()
+        reader.check_intact()
+        assert time.monotonic() - t0 >= 0.2  # it waited for the write to finish
+        writer.join(10)
+        assert pub.latest_version == 1
+        sub.close(linger=0)
+
+
 def test_an_abandoned_or_stalled_streamed_write_is_refused(sync_cfg):
     cfg = sync_cfg()
     weights = state(3.0)
