@@ -293,7 +293,10 @@ class WeightSubscriber:
 
     async def _apply_or_recover(self, ref: SlotRef, ann: Announcement) -> tuple[SlotRef, Announcement]:
         """Apply `ref`; if that failed after touching the model, load the newest complete version, or else the one
-        served before (its slot is untouched: the learner writes the slot not holding the previous version)."""
+        served before (its slot is untouched: the learner writes the slot not holding the previous version). A
+        failed load is told apart by its write (`seq`), not only its version: a streamed version that failed can
+        still load once complete, staged and verified like any other (what a replica's first version needs, with
+        nothing served before to fall back to)."""
         for _ in range(MAX_TORN_RETRIES):
             try:
                 await self.target.apply(ref)
@@ -301,9 +304,10 @@ class WeightSubscriber:
             except WeightIntegrityError as e:
                 log.warning("weight version %d failed during the load (%s): loading another before resuming",
                             ref.version, e)
-                failed = (ann.run_id, ann.version)
+                failed = (ann.run_id, ann.version, ann.seq)
             for candidate in (await self._latest(), self.current):
-                if candidate is None or candidate.version == 0 or (candidate.run_id, candidate.version) == failed:
+                if candidate is None or candidate.version == 0 or (
+                        candidate.run_id, candidate.version, candidate.seq) == failed:
                     continue
                 staged = await self._stage(candidate)
                 if staged is not None:

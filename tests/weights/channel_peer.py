@@ -8,7 +8,9 @@ adapter: a plain dict of bf16 tensors read in place from the slot. Every event i
 (`{"event": "serving", "version": 2, "sums": {...}}`), flushed at once so the test sees it while the peer runs;
 logs go to stderr. A line on stdin (or its end) stops the peer; exit status 0, or 3 when the channel broke.
 Test hooks: --apply-delay-s (between copying and the overlap check, so that a test can rewrite the slot during the
-load) and --resume-delay-s (before generation resumes, so that announcements queue up behind a finished load).
+load), --resume-delay-s (before generation resumes, so that announcements queue up behind a finished load) and
+--fail-streamed-loads N (the first N streamed loads fail once their write has finished, after --apply-delay-s: a
+fault in the load itself, with the version intact in its slot).
 """
 
 from __future__ import annotations
@@ -39,10 +41,11 @@ class ModuleTarget:
     """Loads weight versions into a dict of bf16 tensors; reports each step through `emit(event, **fields)`."""
 
     def __init__(self, shapes: dict[str, list[int]], emit: Callable[..., None] = emit_json, *,
-                 apply_delay_s: float = 0.0, resume_delay_s: float = 0.0):
+                 apply_delay_s: float = 0.0, resume_delay_s: float = 0.0, fail_streamed_loads: int = 0):
         self.state = {name: torch.zeros(shape, dtype=torch.bfloat16) for name, shape in shapes.items()}
         self.emit = emit
         self.apply_delay_s, self.resume_delay_s = apply_delay_s, resume_delay_s
+        self.fail_streamed_loads = fail_streamed_loads
         self._version = 0
         self._staged: tuple[SlotReader, object] | None = None
 
@@ -107,6 +110,9 @@ class ModuleTarget:
                 self.emit("applying", version=ref.version, streamed=ref.streamed)
                 await asyncio.sleep(self.apply_delay_s)
                 reader.check_intact()
+                if ref.streamed and self.fail_streamed_loads > 0:
+                    self.fail_streamed_loads -= 1
+                    raise WeightIntegrityError(f"version {ref.version}: injected fault in the streamed load")
             except WeightIntegrityError as e:
                 self.emit("torn", version=ref.version, why=str(e))
                 raise TornLoad(str(e)) from None
@@ -138,7 +144,8 @@ class ModuleTarget:
 async def run(args: argparse.Namespace) -> int:
     cfg = WeightSyncConfig.model_validate_json(args.config)
     shapes = json.loads(args.shapes)
-    target = ModuleTarget(shapes, apply_delay_s=args.apply_delay_s, resume_delay_s=args.resume_delay_s)
+    target = ModuleTarget(shapes, apply_delay_s=args.apply_delay_s, resume_delay_s=args.resume_delay_s,
+                          fail_streamed_loads=args.fail_streamed_loads)
     subscriber = WeightSubscriber(cfg, target, shapes)
     loop, stop = asyncio.get_running_loop(), asyncio.Event()
     # A daemon thread, not the loop's executor: a broken channel must exit without waiting on stdin.
@@ -176,6 +183,7 @@ def main() -> int:
     parser.add_argument("--shapes", required=True, help="expected tensor shapes as JSON: {name: shape}")
     parser.add_argument("--apply-delay-s", type=float, default=0.0)
     parser.add_argument("--resume-delay-s", type=float, default=0.0)
+    parser.add_argument("--fail-streamed-loads", type=int, default=0)
     argv = sys.argv[1:]
     if argv == ["--argv-from-stdin"]:  # started ahead by a test: the arguments come once they are known
         argv = json.loads(sys.stdin.readline())

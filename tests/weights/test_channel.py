@@ -305,6 +305,26 @@ def test_an_abandoned_streamed_version_is_never_served_and_the_previous_one_come
     assert peer.served() == [1, 1, 2]
 
 
+def test_a_first_version_whose_streamed_load_failed_loads_again_once_complete(channel_cfg, start_peer):
+    """Nothing served before to fall back to: the failed streamed load is retried as the complete version of the same
+    write (staged and verified first) rather than leaving the replica broken."""
+    cfg = channel_cfg()
+    with WeightPublisher(cfg, "first", dtype="bfloat16") as pub:
+        peer = start_peer(cfg, fail_streamed_loads=1, apply_delay_s=0.3)
+        assert peer.wait_for("started")["version"] == 0
+        release = threading.Event()
+        writer, expected = _streamed(pub, 1, release)
+        release.set()
+        writer.join(TIMEOUT_S)
+        assert "injected fault" in peer.wait_for("torn", version=1)["why"]
+        assert peer.wait_for("staging", version=1)  # the complete version, verified before it is loaded
+        assert peer.wait_for("applying", version=1, streamed=False)
+        assert peer.wait_for("serving", version=1)["sums"] == expected
+        assert peer.wait_for("resumed")["version"] == 1
+        assert peer.stop() == 0
+    assert peer.served() == [1] and peer.named("broken") == []
+
+
 def test_a_learner_that_outpaces_every_load_breaks_the_channel(channel_cfg, start_peer):
     cfg = channel_cfg()
     with WeightPublisher(cfg, "outpaced", dtype="bfloat16") as pub:
