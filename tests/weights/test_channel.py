@@ -314,6 +314,7 @@ def test_a_first_version_whose_streamed_load_failed_loads_again_once_complete(ch
         assert peer.wait_for("started")["version"] == 0
         release = threading.Event()
         writer, expected = _streamed(pub, 1, release)
+        peer.wait_for("paused")  # loading v1 while it is written (a write finished first is announced complete)
         release.set()
         writer.join(TIMEOUT_S)
         assert "injected fault" in peer.wait_for("torn", version=1)["why"]
