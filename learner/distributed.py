@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import heapq
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -54,9 +55,15 @@ def init_distributed(device: DeviceKind, timeout_s: float = 1800) -> DistContext
     return DistContext(rank, world, local_rank, dev, backend)
 
 
-def shutdown_distributed() -> None:
+def shutdown_distributed(settle_s: float = 0.2) -> None:
+    """Leave the process group, then release the GIL for `settle_s`. Gloo's worker threads drop each finished
+    collective after its waiter has moved on, and dropping its tensors takes the GIL: a process that reaches
+    interpreter finalization first aborts (SIGABRT, "terminate called without an active exception" in
+    ProcessGroupGloo::runLoop, seen in a core dump of a torchrun rank), so torchrun reports a rank that had saved
+    everything as failed. destroy_process_group does not join those threads (pytorch/pytorch#179291)."""
     if dist.is_initialized():
         dist.destroy_process_group()
+        time.sleep(settle_s)
 
 
 def shard_model(model: torch.nn.Module, reshard_after_forward: bool = True) -> torch.nn.Module:
