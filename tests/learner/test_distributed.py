@@ -29,18 +29,29 @@ def _worker_module():
     return module
 
 
+GLOO_ABORT = "exitcode  : -6"
+"""How torchrun reports a rank killed by SIGABRT. Our code is Python and never aborts; gloo on CPU (this test's
+backend only: devices run HCCL/NCCL) rarely does, mid-run, in its own threads (a core dump showed `free(): invalid
+pointer` inside gloo::transport's Context::Mutator during an all-gather)."""
+
+
 @pytest.fixture(scope="module")
 def two_rank_run(tiny_model, tmp_path_factory):
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    out = tmp_path_factory.mktemp("dist")
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-        "--master-port", str(port), str(WORKER), str(tiny_model), str(out),
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=420, env=env)
+    for attempt in range(2):  # a second launch only after a gloo abort, said on stderr
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        out = tmp_path_factory.mktemp("dist")
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+            "--master-port", str(port), str(WORKER), str(tiny_model), str(out),
+        ]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=420, env=env)
+        if proc.returncode == 0 or attempt == 1 or GLOO_ABORT not in proc.stderr:
+            break
+        print(f"[test_distributed] a rank aborted (SIGABRT, gloo): launching once more\n{proc.stderr[-2000:]}",
+              file=sys.stderr)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return out
 
