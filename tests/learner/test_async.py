@@ -165,7 +165,10 @@ def test_replica_killed_mid_run_loses_and_duplicates_nothing(stack):
     cmd = [sys.executable, "-m", "dgrpo.cli", "learner", "--config", str(stack["config"]),
            f"learner.checkpoint.dir={root / 'ckpt_kill'}", "learner.trainer.run_name=kill",
            "learner.trainer.test_freq=0", "learner.rollout.retry_backoff_s=0.2", "learner.rollout.max_backoff_s=1",
-           "learner.rollout.step_timeout_s=240"]  # with no replica left, fail in minutes rather than hang
+           "learner.rollout.step_timeout_s=240",  # with no replica left, fail in minutes rather than hang
+           # Long completions keep each burst on the victim's engine for seconds, not the tenths of a second that
+           # 24 tokens take: with short ones the 4 steps could end (CI did) before a poll saw a request running.
+           "learner.rollout.max_response_length=96"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     # Killed while its engine runs the learner's requests (early on, batches ahead are in flight on both
     # replicas): killed between bursts, no stream would fail and the test would prove nothing.
