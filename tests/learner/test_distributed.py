@@ -68,7 +68,7 @@ def test_two_gloo_ranks_equal_one_process(two_rank_run, tiny_model, scenario):
     assert set(after) == set(dist["weights"])
     assert any(not torch.equal(before[n], after[n]) for n in after)
     for name, tensor in after.items():
-        # 3% of lr: Adam turns float noise in ~0 gradients (reduction order differs) into visible steps.
+        # The reduction order differs; Adam's eps of 1e-5 keeps that float noise on ~0 gradients small.
         torch.testing.assert_close(dist["weights"][name], tensor, atol=3e-5, rtol=1e-4, msg=name)
         # Shards cast before their gather, in other buckets: the same bits as the gathered fp32 tensor cast.
         small = dist["small_buckets"][name]
