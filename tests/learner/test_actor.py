@@ -83,14 +83,18 @@ def test_packing_removes_padding_and_keeps_the_update(tiny_model):
         metrics = actor.update(seqs, group_size=4)
         results.append((params(actor), metrics))
     assert any(not torch.equal(before[k], results[0][0][k]) for k in before)
-    step = torch.cat([(results[0][0][k] - before[k]).flatten() for k in before])
+
+    def flat(weights: dict[str, torch.Tensor]) -> torch.Tensor:
+        return torch.cat([weights[k].flatten() for k in before])
+
+    step = flat(results[0][0]) - flat(before)
     for j, (p, m) in enumerate(results[1:], 1):
         for k in p:
             torch.testing.assert_close(p[k], results[0][0][k], atol=3e-5, rtol=1e-4,
                                        msg=lambda e, j=j, k=k: f"layout {j}, {k}: {e}")
         # The whole update agrees, not only each element within tolerance: half the batch weighted 1% off moves
         # this by 1.7e-2; float noise gives ~2e-5.
-        gap = torch.cat([(p[k] - results[0][0][k]).flatten() for k in p]).norm() / step.norm()
+        gap = (flat(p) - flat(results[0][0])).norm() / step.norm()
         assert gap < 1e-3, f"layout {j}: update differs by {gap:.2e} of its norm"
         assert m["actor/loss"] == pytest.approx(results[0][1]["actor/loss"], abs=1e-6)
         # |learner - sampler| logprob per token (the sampler's are -7 here): a property of the batch, not the layout
