@@ -18,7 +18,6 @@ import json
 import math
 import os
 import re
-import shlex
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,13 +25,13 @@ from typing import Any
 
 import yaml
 
+from dgrpo.cli import import_openr1
+from dgrpo.cli.import_dapo import verl_dapo
+from dgrpo.cli.import_read import check_unresolved, read_source
 from dgrpo.common.config import ConfigError, load_config
 from dgrpo.learner.actor_config import TRL_LOSS_TYPES
 
 VERL_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-_INTERP = re.compile(r"\$\{([A-Za-z_][\w.]*)\}")
-_FLOAT = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+")
-_OVERRIDE = re.compile(r"^[+~]{0,2}([A-Za-z_][\w]*(?:\.[\w]+)*)=(.*)$", re.DOTALL)
 
 
 class Unsupported(Exception):
@@ -52,69 +51,6 @@ class Imported:
         self.values[key], self.origin[key] = value, origin
 
 
-# ---- reading ----------------------------------------------------------------------------------------------
-
-
-def _flatten(node: dict, prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in node.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict) and v:
-            out.update(_flatten(v, key + "."))
-        else:
-            out[key] = v
-    return out
-
-
-def _number(v: Any) -> Any:
-    """`1e-6` is a float to OmegaConf (verl) and JSON but a string to YAML 1.1."""
-    return float(v) if isinstance(v, str) and _FLOAT.fullmatch(v) else v
-
-
-def _parse_script(text: str) -> dict[str, Any]:
-    """The `key=value` hydra overrides of a shell command line (line continuations and comments allowed; shell
-    variables expanded from this environment, as the shell running the script would)."""
-    out: dict[str, Any] = {}
-    for token in shlex.split(text.replace("\\\n", " "), comments=True):
-        m = _OVERRIDE.match(token)
-        if m:
-            raw = os.path.expandvars(m.group(2))
-            try:
-                out[m.group(1)] = yaml.safe_load(raw) if raw.strip() else ""
-            except yaml.YAMLError:
-                out[m.group(1)] = raw
-    return out
-
-
-def _resolve(flat: dict[str, Any]) -> dict[str, Any]:
-    """Resolve `${a.b}` references to other keys of the same file (hydra's plain interpolations)."""
-
-    def value(v: Any, depth: int = 0) -> Any:
-        if not isinstance(v, str) or depth > 8:
-            return v
-        whole = _INTERP.fullmatch(v)
-        if whole and whole.group(1) in flat:
-            return value(flat[whole.group(1)], depth + 1)
-        return _INTERP.sub(lambda m: str(value(flat[m.group(1)], depth + 1)) if m.group(1) in flat else m.group(0), v)
-
-    return {k: value(v) for k, v in flat.items()}
-
-
-def read_source(path: Path) -> dict[str, Any]:
-    """Flat dotted keys -> values from a YAML/JSON mapping (nested or dotted) or a script of overrides."""
-    if not path.is_file():
-        raise ConfigError(f"{str(path)!r} does not exist")
-    text = path.read_text()
-    try:
-        loaded = yaml.safe_load(text)
-    except yaml.YAMLError:
-        loaded = None
-    flat = _flatten(loaded) if isinstance(loaded, dict) else _parse_script(text)
-    if not flat:
-        raise ConfigError(f"{str(path)!r} holds neither a YAML/JSON mapping nor key=value overrides")
-    return {k: [_number(x) for x in v] if isinstance(v, list) else _number(v) for k, v in _resolve(flat).items()}
-
-
 # ---- shared conversions ------------------------------------------------------------------------------------
 
 
@@ -128,10 +64,17 @@ def _run_name(v: Any) -> str:
 
 def _loggers(v: Any) -> list[str]:
     names = [str(x) for x in _as_list(v) if str(x) not in ("none", "None")]
-    unknown = [n for n in names if n not in ("console", "wandb", "tensorboard")]
+    names = ["jsonl" if n == "file" else n for n in names]  # verl's file logger writes a jsonl of metrics
+    unknown = [n for n in names if n not in ("console", "jsonl", "wandb", "tensorboard")]
     if unknown:
         raise Unsupported(f"loggers {unknown} are not offered (console, jsonl, tensorboard, wandb)")
     return sorted({"console", "jsonl", *names}, key=["console", "jsonl", "tensorboard", "wandb"].index)
+
+
+def _device(v: Any) -> str:
+    if str(v) not in ("auto", "npu", "cuda", "cpu"):
+        raise Unsupported(f"device {v!r} is not offered (npu, cuda, cpu)")
+    return str(v)
 
 
 def _schedule(v: Any) -> str:
@@ -228,7 +171,8 @@ VERL_RULES: dict[str, tuple[str, Any]] = {
     "trainer.default_local_dir": ("learner.checkpoint.dir", str),
     "trainer.max_actor_ckpt_to_keep": ("learner.checkpoint.keep_last", None),
     "trainer.balance_batch": ("learner.actor.balance_batch", None),
-    "trainer.device": ("model.device", None),
+    "trainer.device": ("model.device", _device),
+    A + "optim.clip_grad": ("learner.optim.grad_clip", None),  # the megatron config's name for grad_clip
     R + "multi_turn.enable": ("learner.rollout.multi_turn.enable", None),
     R + "multi_turn.tool_config_path": ("learner.rollout.multi_turn.tool_config_path", str),
     R + "multi_turn.max_assistant_turns": ("learner.rollout.multi_turn.max_assistant_turns", None),
@@ -251,6 +195,14 @@ VERL_SAME: dict[str, Any] = {
     A + "tis_imp_ratio_cap": (-1, 0, -1.0, 0.0), "trainer.critic_warmup": None,
     "trainer.n_gpus_per_node": None, "trainer.nnodes": None, "critic.": None, "algorithm.kl_ctrl.": None,
     "algorithm.gamma": None, "algorithm.lam": None, "data.truncation": None, "trainer.log_val_generations": None,
+    A + "use_token_level_loss": (True,), R + "val_kwargs.n": (1,), R + "val_kwargs.do_sample": (False,),
+    R + "val_kwargs.temperature": (0, 0.0), R + "val_kwargs.top_p": (1, 1.0), R + "val_kwargs.top_k": (-1, 0),
+    F + "ref.ulysses_sequence_parallel_size": (1,), A + "fsdp_config.fsdp_size": (-1,),
+    A + "use_torch_compile": (False,), F + "ref.use_torch_compile": (False,), A + "fsdp_config.forward_prefetch": None,
+    F + "ref.fsdp_config.forward_prefetch": None, A + "entropy_from_logits_with_chunking": None,
+    F + "ref.entropy_from_logits_with_chunking": None, "hydra.config_path": None,
+    "hydra.config_name": ("ppo_trainer", "ppo_trainer.yaml"), "data.return_raw_chat": None,
+    R + "data_parallel_size": None, R + "n_gpus_per_node": None, R + "expert_parallel_size": (1,),
 }
 VERL_REASONS = {
     A + "entropy_coeff": "no entropy bonus in dgrpo's loss",
@@ -286,6 +238,27 @@ VERL_REASONS = {
     "trainer.log_val_generations": "validation logs metrics only",
     A + "ppo_micro_batch_size": "the global micro-batch size is deprecated in verl: ppo_micro_batch_size_per_gpu",
     A + "tis_imp_ratio_cap": "only a positive cap maps (learner.algorithm.tis_cap)",
+    A + "use_token_level_loss": "verl's older spelling of loss_agg_mode=token-mean (learner.algorithm.loss_agg)",
+    R + "val_kwargs.": "dgrpo validates greedily, one completion per prompt (temperature 0)",
+    F + "ref.ulysses_sequence_parallel_size": "no sequence parallelism",
+    A + "fsdp_config.fsdp_size": "the learner shards over every torchrun rank (verl's -1); no hybrid sharding groups",
+    A + "use_torch_compile": "dgrpo does not torch.compile the model", F + "ref.use_torch_compile": "no torch.compile",
+    A + "fsdp_config.forward_prefetch": "a speed setting of verl's FSDP wrapper: results do not change",
+    F + "ref.fsdp_config.forward_prefetch": "a speed setting of verl's FSDP wrapper: results do not change",
+    A + "entropy_from_logits_with_chunking": "a memory setting of verl's entropy metric: results do not change",
+    F + "ref.entropy_from_logits_with_chunking": "a memory setting of verl's entropy metric: results do not change",
+    "hydra.config_path": "where verl's trainer config lives: dgrpo's defaults are its own",
+    "hydra.config_name": "verl's base trainer config: the missing keys take dgrpo's defaults; a megatron config's "
+    "settings are not offered (the learner is FSDP2)",
+    "data.return_raw_chat": "the learner applies the chat template itself and sends token ids",
+    R + "data_parallel_size": "vLLM data-parallel ranks are sampler replicas here (`dgrpo up --samplers N`)",
+    R + "n_gpus_per_node": "devices per sampler: sampler.tensor_parallel_size and replicas",
+    R + "expert_parallel_size": "no expert parallelism in the samplers",
+    A + "megatron.": "megatron is not offered: the learner is FSDP2 (learner.actor)",
+    F + "ref.megatron.": "megatron is not offered: the learner is FSDP2",
+    A + "torchtitan.": "torchtitan is not offered: the learner is FSDP2 in plain PyTorch",
+    F + "ref.torchtitan.": "torchtitan is not offered", "model_engine": "the learner is FSDP2 in plain PyTorch",
+    F + "model.override_config.": "dgrpo loads the model's own config.json: edit the checkpoint's config instead",
 }
 
 
@@ -330,6 +303,7 @@ def from_verl(flat: dict[str, Any]) -> Imported:
     if cap is not None and cap > 0:
         used.add(A + "tis_imp_ratio_cap")
         out.set("learner.algorithm.tis_cap", float(cap), A + "tis_imp_ratio_cap")
+    verl_dapo(flat, out, used)  # before _verl_reward: custom_reward_function.overlong_buffer.* is DAPO's
     _verl_reward(flat, out, used)
     _verl_warmup(flat, out, used)
     _verl_checkpoint(flat, out, used)
@@ -339,6 +313,17 @@ def from_verl(flat: dict[str, Any]) -> Imported:
         out.set("learner.data.overlong_prompts", "truncate", "data.truncation=left")
         used.add("data.truncation")
     used.add("data.filter_overlong_prompts")
+    truncation = flat.get("data.truncation")
+    if "data.truncation" in flat and "data.truncation" not in used:
+        used.add("data.truncation")
+        if flat.get("data.filter_overlong_prompts") and truncation in ("error", "right", "middle"):
+            out.ignored["data.truncation"] = "filter_overlong_prompts drops every longer prompt first (dgrpo: drop)"
+        elif truncation == "error":
+            out.unsupported["data.truncation"] = ("error: verl stops at the first prompt over max_prompt_length; dgrpo "
+                                                  "drops and counts them (learner.data.overlong_prompts)")
+        elif truncation is not None:
+            out.unsupported["data.truncation"] = (f"{truncation!r}: dgrpo drops longer prompts or keeps their last "
+                                                  "tokens (learner.data.overlong_prompts: drop / truncate)")
     same = dict(VERL_SAME)
     if not flat.get("reward_model.enable"):
         same["reward_model."] = None  # a disabled reward model's settings do nothing
@@ -427,6 +412,7 @@ TRL_SAME: dict[str, Any] = {
     "per_device_eval_batch_size": None, "repetition_penalty": (1, 1.0), "top_entropy_quantile": (1, 1.0),
     "sync_ref_model": (False,), "importance_sampling_level": ("token",), "fp16": (False,), "logging_dir": None,
     "save_strategy": None, "eval_strategy": None, "ds3_gather_for_generation": None, "bf16": None,
+    **import_openr1.SAME,
 }
 TRL_REASONS = {
     "use_vllm": "samplers are always vLLM services", "vllm_mode": "samplers are separate services (sampler.addresses)",
@@ -451,6 +437,7 @@ TRL_REASONS = {
     "vllm_importance_sampling_mode": "only token_truncate maps (learner.algorithm.tis_cap)",
     "vllm_importance_sampling_cap": "only with vllm_importance_sampling_mode=token_truncate",
     "scale_rewards": "group, batch or none only",
+    **import_openr1.REASONS,
 }
 
 
@@ -514,6 +501,7 @@ def from_trl(flat: dict[str, Any], num_processes: int = 1) -> Imported:
         out.set("learner.trainer.test_freq", int(flat["eval_steps"]), "eval_steps")
     if "seed" in flat:
         out.set("learner.trainer.seed", flat["seed"], "seed")
+    import_openr1.open_r1(flat, out, used)
     _leftovers(flat, out, used, TRL_SAME, TRL_REASONS, "no counterpart in dgrpo")
     return out
 
@@ -615,10 +603,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-o", "--output", help="write the dgrpo stack YAML here (default: stdout)")
     parser.add_argument("--num-processes", type=int, default=1,
                         help="trl: training processes the batch sizes were for (per_device_* x processes)")
+    parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                        help="verl run script: a variable the script reads from the environment (repeatable; on top "
+                             "of this process's environment)")
     args = parser.parse_args(argv)
     try:
-        flat = read_source(Path(args.file))
+        env = dict(os.environ)
+        for item in args.env:
+            name, eq, value = item.partition("=")
+            if not eq or not re.fullmatch(r"[A-Za-z_]\w*", name):
+                raise ConfigError(f"--env {item!r}: expected NAME=VALUE")
+            env[name] = value
+        flat = read_source(Path(args.file), env)
+        same, reasons = (VERL_SAME, VERL_REASONS) if args.source == "verl" else (TRL_SAME, TRL_REASONS)
+        unknown = check_unresolved(flat, same, reasons)
         out = from_verl(flat) if args.source == "verl" else from_trl(flat, args.num_processes)
+        out.ignored.update(unknown)
         finish(out)
         validate(out)
     except ConfigError as e:

@@ -213,7 +213,10 @@ def test_verl_run_script(tmp_path, capsys, monkeypatch):
     assert (lr.trainer.total_epochs, lr.trainer.test_freq, lr.checkpoint.save_freq) == (15, 5, 20)
     assert lr.trainer.loggers == ["console", "jsonl", "wandb"]
     assert (lr.trainer.wandb_project, lr.trainer.run_name) == ("verl_grpo_example_gsm8k", "qwen2_7b_function_rm")
-    assert listed(err, "unsupported") == set()
+    # verl's default_compute_score is not bundled: math_verify on the ground truth is written, and the gap listed
+    assert listed(err, "unsupported") == {"custom_reward_function.path"}
+    (fn,) = cfg.rewarder.spec.functions
+    assert (fn.type, fn.field) == ("math_verify", "reward_model.ground_truth")
     assert {"actor_rollout_ref.model.use_remove_padding", "trainer.n_gpus_per_node", "trainer.critic_warmup",
             "actor_rollout_ref.actor.entropy_coeff", "algorithm.use_kl_in_reward"} <= listed(err, "ignored")
     text = out.read_text()
