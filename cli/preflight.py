@@ -20,6 +20,7 @@ from dgrpo.common import preflight as pf
 from dgrpo.common.config import ConfigError, parse_override
 from dgrpo.learner.data import check_files
 from dgrpo.learner.main import learner_bindings, output_needs
+from dgrpo.learner.metrics import check_loggers
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]", "0.0.0.0")
 UP_KEYS = ("sampler.host", "sampler.port", "sampler.addresses", "rewarder.host", "rewarder.port",
@@ -178,5 +179,6 @@ def check_outputs(cfg: StackConfig) -> None:
 def preflight_stack(cfg: StackConfig, ports: StackPorts) -> None:
     """Everything `dgrpo up` can check before it starts a service (each raises ConfigError naming the key)."""
     check_files(cfg.learner.data, columns=reward_columns(cfg))
+    check_loggers(cfg.learner.trainer.loggers)
     check_outputs(cfg)
     pf.check_ports(stack_bindings(cfg, ports))

@@ -47,6 +47,13 @@ class StackConfig(StrictConfig):
                 f"learner.data.max_prompt_length={prompt} + learner.rollout.max_response_length={response} exceeds "
                 f"sampler.max_model_len={self.sampler.max_model_len}: the samplers could not hold a full sequence"
             )
+        ob = self.learner.algorithm.overlong_buffer
+        top = ob.max_response_length or response
+        if ob.enable and ob.len > top:
+            raise ConfigError(
+                f"learner.algorithm.overlong_buffer.len={ob.len} exceeds the maximum response length {top} it ends at "
+                "(verl asserts max_resp_len >= overlong_buffer.len)"
+            )
         if self.learner.rollout.max_staleness and self.weights.pause_mode == "abort":
             raise ConfigError(
                 f"learner.rollout.max_staleness={self.learner.rollout.max_staleness} with weights.pause_mode=abort: "

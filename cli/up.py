@@ -12,7 +12,9 @@ health, which `up` polls, needs none.
 Supervision, as `docker compose up` does it and a bit more: the rewarder and samplers start first and must answer
 gRPC health SERVING; then the learner runs. A sampler or the rewarder that dies meanwhile is reaped (its whole
 process group, vLLM's engine and workers included, and the shared memory only it used) and restarted on its port
-after a backoff, at most --max-restarts times within 10 minutes; training goes on throughout (the learner's calls
+after a backoff, at most --max-restarts times within 10 minutes; one that stops answering its gRPC health check
+without exiting (frozen, cut off) is killed after --hung-restart-s and restarted the same way (cli/hang_watch.py).
+Training goes on throughout (the learner's calls
 to a dead replica go to the others or wait for it to come back, and a restarted sampler catches up to the current
 weights before it serves). When every sampler, or the rewarder, is given up, the learner is stopped first: it drops
 the step it cannot finish and keeps its last completed step in a checkpoint; then the rest is stopped and `up`
@@ -38,6 +40,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from dgrpo.cli import procs
+from dgrpo.cli.hang_watch import HangWatch
 from dgrpo.common.auth import TOKEN_ENV
 from dgrpo.common.config import ConfigError, load_config, to_yaml
 from dgrpo.common.preflight import check_folder, pick_free_ports
@@ -84,9 +87,11 @@ class Stack:
     """Starts, watches, restarts and stops the local processes of one run."""
 
     def __init__(self, config_path: Path, run_dir: Path, color: bool, *, max_restarts: int = 3,
-                 restart_backoff_s: float = 2.0, start_timeout: float = 600, weights_shm_dir: str | None = None):
+                 restart_backoff_s: float = 2.0, start_timeout: float = 600, weights_shm_dir: str | None = None,
+                 hung_restart_s: float = 60.0):
         self.config_path, self.run_dir, self.color = config_path, run_dir, color
-        self.weights_shm_dir = weights_shm_dir
+        self.weights_shm_dir, self.hung_restart_s = weights_shm_dir, hung_restart_s
+        self.hang = HangWatch(self._health_channel)
         self.max_restarts, self.restart_backoff_s, self.start_timeout = max_restarts, restart_backoff_s, start_timeout
         self.services: list[Service] = []
         self._print_lock = threading.Lock()
@@ -130,16 +135,19 @@ class Stack:
                     with self._print_lock:
                         tqdm.write(svc.prefix + line.rstrip("\n"), file=sys.stdout)
 
-    def wait_serving(self, svc: Service, timeout: float) -> None:
-        import grpc
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
-
+    def _health_channel(self, address: str):
         from dgrpo.cli.stack import StackConfig
         from dgrpo.common import auth
 
         tls = load_config(StackConfig, self.config_path).auth.tls.material()  # with auth.tls, health is TLS too
+        return auth.health_channel(address, auth.Credentials(tls=tls))
+
+    def wait_serving(self, svc: Service, timeout: float) -> None:
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
         deadline = time.monotonic() + timeout
-        with auth.health_channel(f"127.0.0.1:{svc.port}", auth.Credentials(tls=tls)) as channel:
+        with self._health_channel(f"127.0.0.1:{svc.port}") as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             while time.monotonic() < deadline:
                 if svc.proc.poll() is not None:
@@ -158,6 +166,8 @@ class Stack:
         """Mark `svc` up (after wait_serving) and note the shared memory it uses now."""
         svc.serving_since = time.monotonic()
         svc.shm |= procs.shm_files(procs.group_pids(svc.proc.pid))
+        if svc.command != "learner" and self.hung_restart_s:
+            self.hang.watch(svc.port)
 
     def signal(self, name_prefix: str, sig: int) -> None:
         for svc in self.services:
@@ -177,6 +187,13 @@ class Stack:
                 continue
             if svc.proc.poll() is None:
                 if svc.serving_since is not None:
+                    silent = self.hang.silent_for(svc.port)
+                    if self.hung_restart_s and silent > self.hung_restart_s:
+                        self.say(f"{svc.name} has not answered its health check for {silent:.0f}s (frozen or cut "
+                                 f"off; --hung-restart-s {self.hung_restart_s:g}): killing it to restart it")
+                        self.hang.unwatch(svc.port)
+                        os.killpg(svc.proc.pid, signal.SIGKILL)  # also ends a stopped process group
+                        continue  # the next round reaps and restarts it like any service that died
                     if snapshot:
                         svc.shm |= procs.shm_files(procs.group_pids(svc.proc.pid))
                     if svc.restarts and now - svc.serving_since > RESTART_WINDOW_S:
@@ -224,6 +241,8 @@ class Stack:
 
     def reap(self, svc: Service) -> None:
         """Kill what is left of `svc`'s process group and unlink the shared memory only it used."""
+        if svc.port is not None:
+            self.hang.unwatch(svc.port)
         pgid = svc.proc.pid
         svc.shm |= procs.shm_files(procs.group_pids(pgid))
         leftovers = procs.kill_group(pgid)
@@ -268,6 +287,7 @@ class Stack:
         """The learner first (it may need the others to finish its step, then checkpoints), then the rest:
         SIGTERM, SIGKILL what hangs, then every process group is reaped with its shared memory."""
         self._stopping.set()
+        self.hang.stop()
         for svc in self.services:
             if svc.command == "learner":
                 self.stop_learner(svc, abandon_step=False, timeout=timeout)
@@ -306,7 +326,7 @@ class Progress:
     """A progress bar with the live reward, fed by the learner's metrics.jsonl."""
 
     def __init__(self, metrics_path: Path, total: int | None):
-        self.path, self.offset = metrics_path, 0
+        self.path, self.offset, self.file_id = metrics_path, 0, (0, 0)
         # Off when stdout is not a terminal (CI, log files): the learner logs one line per step anyway.
         self.bar = tqdm(total=total, desc="training", unit="step", dynamic_ncols=True, file=sys.stdout,
                         disable=not sys.stdout.isatty())
@@ -314,15 +334,25 @@ class Progress:
     def update(self) -> None:
         import json
 
-        if not self.path.is_file():
+        try:
+            stat = self.path.stat()
+        except FileNotFoundError:
             return
+        if (stat.st_ino, stat.st_dev) != self.file_id or stat.st_size < self.offset:
+            # The learner rewrote the file (a run starting or resuming drops the records of the steps it will run
+            # again, with os.replace): read the new one from its start.
+            self.file_id, self.offset = (stat.st_ino, stat.st_dev), 0
+            self.bar.reset(total=self.bar.total)
         with open(self.path, "rb") as f:
             f.seek(self.offset)
             for line in f:
                 if not line.endswith(b"\n"):
                     break  # a partial line: read it next time
                 self.offset += len(line)
-                record = json.loads(line)
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue  # a progress bar never stops the run
                 if "reward/mean" in record:
                     self.bar.update(1)
                     self.bar.set_postfix(reward=f"{record['reward/mean']:.3f}", kl=f"{record.get('actor/kl', 0):.4f}",
@@ -397,7 +427,7 @@ def run(args) -> int:
         print(f"dgrpo up: every service requires this run's token, in {run_dir / 'token'}", flush=True)
 
     stack = Stack(config_path, run_dir, color=sys.stdout.isatty(), max_restarts=args.max_restarts,
-                  start_timeout=args.start_timeout,
+                  start_timeout=args.start_timeout, hung_restart_s=args.hung_restart_s,
                   weights_shm_dir=cfg.weights.shm_dir if cfg.weights.transport == "shm" else None)
     interrupted = {"count": 0}
 
@@ -437,6 +467,7 @@ def _train(stack: Stack, cfg, args, run_dir: Path, sampler_ports, rewarder_port,
         if interrupted["count"]:
             return 130
     learner = stack.start(Service("learner", "learner", []))
+    stack.hang.start()
     progress = Progress(run_dir / "metrics.jsonl", cfg.learner.trainer.total_training_steps)
     while learner.proc.poll() is None:
         lost = stack.supervise()
@@ -483,6 +514,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--start-timeout", type=float, default=600, help="seconds for a service to become healthy")
     parser.add_argument("--max-restarts", type=int, default=3,
                         help="restarts of a dead sampler or rewarder within 10 minutes before it is given up (default 3)")
+    parser.add_argument("--hung-restart-s", type=float, default=60.0, metavar="S",
+                        help="kill and restart a sampler or the rewarder that has not answered its gRPC health check "
+                             "for S seconds although its process runs (frozen, cut off); 0: never (default 60). "
+                             "The learner moves a hung replica's prompts to the others within seconds regardless")
     parser.add_argument("--stop-timeout", type=float, default=300,
                         help="seconds the learner gets to finish or drop its step and checkpoint when stopping")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
@@ -491,4 +526,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--samplers must be >= 1")
     if args.max_restarts < 0:
         parser.error("--max-restarts must be >= 0")
+    if args.hung_restart_s < 0:
+        parser.error("--hung-restart-s must be >= 0")
     return run(args)

@@ -29,7 +29,32 @@ CHANNEL_OPTIONS = [
 ]
 # gRPC sets SO_REUSEPORT by default on Linux: a second server on a taken port would bind, and the two would split
 # the connections silently. Off, a taken port fails the bind, which `create_server` reports.
-SERVER_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)]
+# Keepalive pings: clients ping every few seconds (`keepalive_options`) to find a peer that is frozen or cut off
+# without a reset. A server by default answers pings more often than every 5 minutes on a quiet connection with
+# GOAWAY "too_many_pings", which would end every long Generate stream: it accepts one every second here, however
+# many (gRPC's keepalive guide, https://grpc.io/docs/guides/keepalive/).
+SERVER_OPTIONS = [
+    *CHANNEL_OPTIONS,
+    ("grpc.so_reuseport", 0),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 1000),
+    ("grpc.http2.max_ping_strikes", 0),
+]
+
+
+def keepalive_options(interval_s: float, timeout_s: float) -> list[tuple[str, int]]:
+    """Client channel options that close the connection to a peer that has not answered a ping within
+    `interval_s + timeout_s`: its calls fail (UNAVAILABLE) although no error or reset ever arrives (a SIGSTOPped
+    process, a host whose packets are dropped)."""
+    return [
+        ("grpc.keepalive_time_ms", int(interval_s * 1000)),
+        ("grpc.keepalive_timeout_ms", int(timeout_s * 1000)),
+        # Any ping in flight (gRPC's own bandwidth probes too) holds back the keepalive ping and has its own ack
+        # deadline, 60 s by default: bounded the same way, a frozen peer is found within interval + timeout.
+        ("grpc.http2.ping_timeout_ms", int(timeout_s * 1000)),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
 
 
 class BindError(OSError):

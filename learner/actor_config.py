@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from dgrpo.common.config import StrictConfig
+from dgrpo.learner.dapo import FilterGroupsConfig, OverlongBufferConfig
 
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 # TRL's GRPOConfig.loss_type names accepted for loss_agg (docs/peers.md states what differs).
@@ -89,6 +90,12 @@ class AlgorithmConfig(StrictConfig):
     mask_truncated: bool = False
     """Drop completions that hit max_tokens (finish_reason length) from the loss (DAPO's overlong filtering):
     a cut-off answer is neither right nor wrong."""
+    filter_groups: FilterGroupsConfig = Field(default_factory=FilterGroupsConfig)
+    """DAPO's dynamic sampling (verl's algorithm.filter_groups): train only on groups whose rewards differ, sampling
+    other prompts in place of the rest (learner/dapo.py)."""
+    overlong_buffer: OverlongBufferConfig = Field(default_factory=OverlongBufferConfig)
+    """DAPO's overlong reward shaping (verl's reward_model.overlong_buffer): a linear penalty over the last `len`
+    tokens before the maximum response length (learner/dapo.py)."""
 
     @field_validator("loss_agg", mode="before")
     @classmethod

@@ -45,9 +45,11 @@ class TrainerConfig(StrictConfig):
     (it names the shared-memory segments)."""
     log_dir: str = "runs"
     """Metrics go to <log_dir>/<run_name>/: metrics.jsonl and TensorBoard event files."""
-    loggers: list[Logger] = Field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
-    """Where metrics go. console: one progress line per step; jsonl: every metric, one line per step; tensorboard:
-    event files; wandb: Weights & Biases (needs `pip install wandb` and a login; fails at start otherwise)."""
+    loggers: list[Logger] = Field(default_factory=lambda: ["console", "jsonl"])
+    """Where metrics go. console: one progress line per step; jsonl: every metric, one line per step (both need
+    nothing beyond the default install). tensorboard: event files (`pip install 'dgrpo[tensorboard]'`); wandb:
+    Weights & Biases (`pip install 'dgrpo[wandb]'` and a login). A logger whose package is missing stops the learner
+    at start, naming it (learner/metrics.py, LOGGER_PACKAGES)."""
     wandb_project: str = "dgrpo"
     """W&B project, with loggers including wandb."""
     control_host: str = "127.0.0.1"

@@ -310,9 +310,10 @@ class PromptStream:
     def steps_per_epoch(self) -> int:
         return math.ceil(len(self.records) / self.batch_size)
 
-    def next_batch(self) -> list[PromptRecord]:
-        batch = []
-        while len(batch) < self.batch_size:
+    def next_batch(self, size: int | None = None) -> list[PromptRecord]:
+        """The next `size` records (default: the batch size)."""
+        batch: list[PromptRecord] = []
+        while len(batch) < (size or self.batch_size):
             if self.index == len(self._order):
                 self.epoch, self.index = self.epoch + 1, 0
                 self._order = self._permutation(self.epoch)

@@ -25,10 +25,11 @@ from pathlib import Path
 import grpc
 import torch
 
+from dgrpo.common.config import ConfigError
 from dgrpo.common.devices import detect_device
 from dgrpo.common.models import resolve_model_path
 from dgrpo.learner import checkpoint as ckpt
-from dgrpo.learner import grpo
+from dgrpo.learner import dapo, grpo
 from dgrpo.learner.actor import Actor
 from dgrpo.learner.batch import Sequence
 from dgrpo.learner.config import LearnerRunConfig
@@ -66,6 +67,7 @@ class Trainer:
         self.step_num = 0
         self.version = 0
         self._reward_specs: set[str] = set()
+        self._filter_metrics: dict[int, dict[str, float]] = {}  # step -> dynamic sampling's metrics (learner/dapo.py)
 
     # ---- setup ---------------------------------------------------------------------------------------
 
@@ -132,7 +134,9 @@ class Trainer:
         credentials = self.cfg.auth.credentials()  # the stack's token and TLS (none: plaintext, no authentication)
         self.rollout = RolloutClient(self.cfg.sampler_addresses, lc.rollout, credentials=credentials)
         self.rewarder = RewardClient(lc.rollout.rewarder_address, timeout_s=lc.rollout.reward_timeout_s,
-                                     retry_backoff_s=lc.rollout.retry_backoff_s, credentials=credentials)
+                                     retry_backoff_s=lc.rollout.retry_backoff_s, credentials=credentials,
+                                     keepalive_s=lc.rollout.keepalive_s,
+                                     keepalive_timeout_s=lc.rollout.keepalive_timeout_s)
         self.control = None
         if lc.trainer.control_port is not None:
             self.control = await start_control_server(self.state, lc.trainer.control_host, lc.trainer.control_port,
@@ -182,8 +186,10 @@ class Trainer:
             else:  # asynchronous: sampled while earlier steps trained, by weights at most max_staleness behind
                 scored, rollout_stats, ahead = await self.take_ahead(timer)
             sequences, metrics = self.to_sequences(scored)  # group-normalized advantages
+            metrics["rollout/trained_groups"] = float(len(scored))
             metrics.update(rollout_stats.as_metrics())
             metrics.update(ahead)
+            metrics.update(self._filter_metrics.pop(self.step_num + 1, {}))
         sequences = broadcast_object(sequences, self.ctx)  # every rank trains on its share of the same batch
         metrics.update(await self.train(sequences, timer))
         self.step_num += 1
@@ -240,7 +246,7 @@ class Trainer:
     async def _sample_ahead(self, batch: list[PromptRecord], step: int, min_version: int):
         """The pipeline's sampler: step `step`'s batch at >= `min_version`, scored; no phase or timer of its own."""
         scored, stats, busy, _ = await self._sample_and_score(
-            batch, self.sampling_params(step=step), prefix=f"s{step}-", min_version=min_version)
+            batch, self.sampling_params(step=step), prefix=f"s{step}-", min_version=min_version, step=step)
         return scored, stats, busy
 
     def sampling_params(self, *, greedy: bool = False, step: int | None = None) -> sampler_pb2.SamplingParams:
@@ -262,16 +268,51 @@ class Trainer:
         arrives."""
         self.state.phase = "sampling" if tag == "s" else "validating"
         scored, stats, self._reward_busy, (t_generate, t_reward) = await self._sample_and_score(
-            batch, self.sampling_params(greedy=greedy), prefix=f"{tag}{self.step_num + 1}-", min_version=self.version)
+            batch, self.sampling_params(greedy=greedy), prefix=f"{tag}{self.step_num + 1}-", min_version=self.version,
+            step=self.step_num + 1 if tag == "s" else None)
         timer.add("generate", t_generate)
         timer.add("reward", t_reward)  # only the tail: scoring overlapped generation until the last group
         return scored, stats
 
     async def _sample_and_score(
-        self, batch: list[PromptRecord], params: sampler_pb2.SamplingParams, *, prefix: str, min_version: int
+        self, batch: list[PromptRecord], params: sampler_pb2.SamplingParams, *, prefix: str, min_version: int,
+        step: int | None = None,
     ) -> tuple[list[ScoredGroup], RolloutStats, float, tuple[float, float]]:
         """Groups in batch order, the rollout's stats, the rewarder's busy seconds, (generate, reward tail)
-        seconds."""
+        seconds. A training batch (`step` set) with filter_groups on holds only informative groups, each dropped
+        group replaced by a new prompt from the data stream (DAPO's dynamic sampling, learner/dapo.py)."""
+        fg = self.lc.algorithm.filter_groups
+        if step is None or not fg.enable:
+            return await self._sample_wave(batch, params, prefix=prefix, min_version=min_version)
+        keep = lambda sg: dapo.informative(dapo.group_metric(sg.reward, fg.metric))
+        unit = fg.gen_batch_size or self.lc.data.train_batch_size
+        def wave_params(wave: int) -> sampler_pb2.SamplingParams:
+            """A seeded run gives each wave of replacements its own seed: with the first wave's, a replacement
+            could repeat the very samples that made the group it replaces flat."""
+            if not wave or not params.HasField("seed"):
+                return params
+            out = sampler_pb2.SamplingParams()
+            out.CopyFrom(params)
+            out.seed = params.seed + 1_000_003 * wave
+            return out
+
+        scored, stats, busy, fstats, times = await dapo.fill_informative(
+            batch, self.train_data.next_batch,
+            lambda recs, wave, on_scored: self._sample_wave(recs, wave_params(wave), prefix=f"{prefix}w{wave}-",
+                                                            min_version=min_version, on_scored=on_scored),
+            keep, fg.max_num_gen_batches * unit or None)
+        new = fstats.as_metrics(len(batch), unit)
+        old = self._filter_metrics.setdefault(step, {})
+        for key, value in new.items():  # a stale group sampled again (pipeline.take) adds to its step's counts
+            old[key] = old.get(key, 0.0) + value if key != "filter_groups/kept_frac" else value
+        return scored, stats, busy, times
+
+    async def _sample_wave(
+        self, batch: list[PromptRecord], params: sampler_pb2.SamplingParams, *, prefix: str, min_version: int,
+        on_scored=None,
+    ) -> tuple[list[ScoredGroup], RolloutStats, float, tuple[float, float]]:
+        """One Generate fan-out: every group of `batch` scored on arrival (and shaped by the overlong penalty);
+        `on_scored(i, ScoredGroup)` is told of each as it is scored."""
         prompts = [make_prompt(f"{prefix}{i}", rec.token_ids) for i, rec in enumerate(batch)]
         stats = RolloutStats()
         scoring: dict[int, asyncio.Task] = {}
@@ -287,6 +328,10 @@ class Trainer:
                 [c.token_ids for c in group.completions],
                 [c.messages for c in group.completions] if multi_turn else None), self._trainer_state())
             busy[0] += time.perf_counter() - t0
+            dapo.apply_overlong(result, [len(c.token_ids) for c in group.completions],
+                                self.lc.algorithm.overlong_buffer, self.lc.rollout.max_response_length)
+            if on_scored is not None:
+                on_scored(i, ScoredGroup(rec, group, result))
             return result
 
         t0 = time.perf_counter()
@@ -382,9 +427,12 @@ class Trainer:
         if self.ctx.is_main:
             for address in await self.rollout.replicas():
                 try:
-                    versions.append((await self.rollout.info(address)).weight_version)
+                    info = await self.rollout.info(address)
                 except grpc.aio.AioRpcError as e:  # an unreachable replica catches up when it is back
                     log.warning("sampler %s did not answer Info (%s); it will catch up when it is back", address, e)
+                    continue
+                versions.append(info.weight_version)
+                self._check_context(address, info.max_model_len)
         newest = broadcast_object(max(versions), self.ctx)
         if self.step_num == 0 and newest == 0:
             return
@@ -393,6 +441,16 @@ class Trainer:
         log.info("published this run's %s weights as version %d (replicas were at <= %d) in %.2fs",
                  "resumed" if self.step_num else "initial", self.version, newest, publish_s)
         self.state.weight_version = self.version
+
+    def _check_context(self, address: str, max_model_len: int) -> None:
+        """A replica must hold the longest prompt plus max_response_length: it refuses a request whose max_tokens
+        the context cannot hold (sampler/engine.py, check_room), so find out now rather than mid-run."""
+        need = self.lc.data.max_prompt_length + self.lc.rollout.max_response_length
+        if max_model_len and need > max_model_len:
+            raise ConfigError(
+                f"sampler {address} has max_model_len={max_model_len}, but learner.data.max_prompt_length="
+                f"{self.lc.data.max_prompt_length} + learner.rollout.max_response_length="
+                f"{self.lc.rollout.max_response_length} = {need}: raise that replica's sampler.max_model_len")
 
     def publish(self) -> float:
         """Every rank joins the gather of full weights; rank 0 writes and announces them as `self.version`."""

@@ -20,6 +20,7 @@ from dgrpo.common.config import ConfigError
 from dgrpo.common.logs import setup_logging
 from dgrpo.learner.config import LearnerRunConfig
 from dgrpo.learner.data import check_files
+from dgrpo.learner.metrics import check_loggers
 
 
 def output_needs(cfg: LearnerRunConfig) -> list[tuple[str, str, int, str]]:
@@ -53,6 +54,7 @@ def learner_bindings(cfg: LearnerRunConfig) -> list[pf.Binding]:
 def preflight(cfg: LearnerRunConfig) -> None:
     """Everything that can be checked before torch is imported, so a typo or a full disk fails in a second."""
     check_files(cfg.learner.data)
+    check_loggers(cfg.learner.trainer.loggers)
     pf.check_space(output_needs(cfg))
     if cfg.learner.checkpoint.export_dir:
         pf.check_replaceable("learner.checkpoint.export_dir", cfg.learner.checkpoint.export_dir, "config.json")

@@ -6,13 +6,15 @@ so its phase is only the tail the loop waits for after the last group arrived; `
 tells how much scoring ran hidden under generation.
 
 Sinks: console (one progress line per step), JSONL (every metric, one object per line), TensorBoard event files,
-and Weights & Biases when installed and chosen. A run resumed at step s continues the file and the event files as
+and Weights & Biases. The last two are optional installs: a logger whose package is missing is refused before the
+run starts (`check_loggers`), naming the key and the install line, instead of failing inside setup. A run resumed at step s continues the file and the event files as
 one clean run: the crashed run's records after step s are dropped first, since those steps run again (TensorBoard
 hides them through its purge_step); a run starting at step 0 starts both afresh.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -140,6 +142,30 @@ def keep_records_through(path: Path, step: int) -> int:
     return dropped
 
 
+LOGGER_PACKAGES: dict[str, tuple[str, str]] = {
+    "tensorboard": ("tensorboard", "pip install 'dgrpo[tensorboard]'"),
+    "wandb": ("wandb", "pip install 'dgrpo[wandb]'"),
+}
+"""Logger -> (module it imports, how to install it). console and jsonl need nothing beyond the default install."""
+
+
+def missing_logger_packages(loggers: list[str]) -> dict[str, tuple[str, str]]:
+    """The chosen loggers whose module is not importable here, found without importing anything."""
+    return {name: LOGGER_PACKAGES[name] for name in loggers
+            if name in LOGGER_PACKAGES and importlib.util.find_spec(LOGGER_PACKAGES[name][0]) is None}
+
+
+def check_loggers(loggers: list[str], key: str = "learner.trainer.loggers") -> None:
+    """Refuse loggers this environment cannot run, before anything heavy starts (in a container the error is
+    one line per restart, not a traceback from inside setup)."""
+    missing = missing_logger_packages(loggers)
+    if missing:
+        details = "; ".join(f"'{name}' needs the package {module} ({install})"
+                            for name, (module, install) in missing.items())
+        raise ConfigError(f"{key}={list(loggers)}: {details}, which is not installed here. Install it, or drop "
+                          f"{'it' if len(missing) == 1 else 'them'} from {key} (console and jsonl need nothing more)")
+
+
 class MetricsLogger:
     """Writes each step's metrics to the chosen sinks.
 
@@ -148,6 +174,7 @@ class MetricsLogger:
 
     def __init__(self, loggers: list[str], out_dir: Path, run_name: str, config: dict, wandb_project: str = "dgrpo",
                  start_step: int | None = None):
+        check_loggers(loggers)
         self.loggers, self.out_dir = set(loggers), out_dir
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self._jsonl = None
@@ -166,11 +193,8 @@ class MetricsLogger:
             self._tb = SummaryWriter(str(self.out_dir / "tensorboard"), purge_step=purge)
         self._wandb = None
         if "wandb" in self.loggers:
-            try:
-                import wandb
-            except ImportError:
-                raise ConfigError("learner.trainer.loggers includes 'wandb' but wandb is not installed "
-                                  "(pip install wandb)") from None
+            import wandb
+
             self._wandb = wandb.init(project=wandb_project, name=run_name, config=config, resume="allow")
 
     def log(self, step: int, total: int, metrics: dict[str, float], bottleneck: str | None = None) -> None:

@@ -95,7 +95,8 @@ class RolloutPipeline:
         floor = version - self.k
         stale = [i for i, sg in enumerate(scored) if min(map(first_version, sg.group.completions)) < floor]
         if stale:  # by min_weight_version this cannot happen; a replica that lost its weights would be caught here
-            again, stats_again, busy_again = await self.sample_and_score([head.batch[i] for i in stale], step,
+            # the stale groups' own prompts (with dynamic sampling a group may come from a replacement prompt)
+            again, stats_again, busy_again = await self.sample_and_score([scored[i].record for i in stale], step,
                                                                          version)
             for i, sg in zip(stale, again):
                 scored[i] = sg

@@ -3,7 +3,8 @@
 Each group is sent as soon as the sampler streams it, so scoring overlaps the generation of the other groups. The
 rewarder may go away and come back while training runs (a restart, a hot swap to a new process): calls wait for the
 channel to be ready (`wait_for_ready`) and are retried on UNAVAILABLE with backoff, bounded by
-`rollout.reward_timeout_s` per group. Requests the rewarder rejects (INVALID_ARGUMENT, FAILED_PRECONDITION) stop the
+`rollout.reward_timeout_s` per group. A rewarder that hangs without an error (a frozen process, dropped packets)
+misses the channel's keepalive pings, so its calls fail within seconds and are retried the same way. Requests the rewarder rejects (INVALID_ARGUMENT, FAILED_PRECONDITION) stop the
 run with the rewarder's message: retrying the same input cannot help.
 """
 
@@ -20,6 +21,7 @@ import grpc
 from google.protobuf import struct_pb2
 
 from dgrpo.common import auth
+from dgrpo.common.grpc_server import keepalive_options
 from dgrpo.common.retry import Backoff
 from dgrpo.learner.rollout import CLIENT_OPTIONS
 from dgrpo.v1 import rewarder_pb2, rewarder_pb2_grpc, sampler_pb2
@@ -96,10 +98,14 @@ class RewardClient:
     """Scores groups against one rewarder address, surviving its restarts."""
 
     def __init__(self, address: str, *, timeout_s: float, retry_backoff_s: float = 0.5, max_backoff_s: float = 5.0,
-                 credentials: auth.Credentials | None = None):
+                 credentials: auth.Credentials | None = None, keepalive_s: float = 10.0,
+                 keepalive_timeout_s: float = 5.0):
+        """`keepalive_s` / `keepalive_timeout_s` (rollout's): a frozen or cut-off rewarder fails the calls in flight
+        within their sum, and they are retried (waiting for it to come back) instead of hanging to the deadline."""
         self.address, self.timeout_s = address, timeout_s
         self.retry_backoff_s, self.max_backoff_s = retry_backoff_s, max_backoff_s
-        self._channel = auth.channel(address, credentials, CLIENT_OPTIONS)
+        options = [*CLIENT_OPTIONS, *keepalive_options(keepalive_s, keepalive_timeout_s)]
+        self._channel = auth.channel(address, credentials, options)
         self._stub = rewarder_pb2_grpc.RewarderStub(self._channel)
 
     async def info(self, timeout: float = 10.0) -> rewarder_pb2.RewarderInfo:

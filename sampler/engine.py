@@ -105,9 +105,12 @@ class GroupResult:
 
 @dataclass
 class EngineLoad:
-    """Scheduler queue depth, refreshed by vLLM's stat-logger hook every engine step."""
+    """Scheduler queue depth and a step count, refreshed by vLLM's stat-logger hook every engine step."""
 
     waiting: int = 0
+    steps: int = 0
+    """Engine steps (scheduler iterations) so far: it advances while the engine makes progress, so a learner that
+    has had no group for a while can tell a replica that is working from one that is stuck (SamplerInfo)."""
 
 
 def validate_sampling(s: SamplingRequest, vocab_size: int) -> None:
@@ -195,6 +198,8 @@ class SamplerEngine:
             def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
                 if scheduler_stats is not None:
                     load.waiting = scheduler_stats.num_waiting_reqs
+                if iteration_stats is not None:
+                    load.steps += 1
 
             def log_engine_initialized(self):
                 pass
@@ -327,6 +332,25 @@ class SamplerEngine:
             )
         return ids
 
+    def check_room(self, prompts: Sequence[PromptInput], token_ids: list[list[int]], sampling: SamplingRequest,
+                   multi_turn: MultiTurnRequest | None = None) -> None:
+        """Refuse a request whose max_tokens cannot fit the context after a prompt: vLLM's engine would stop the
+        completion at max_model_len with finish reason `length`, as if it had used all of max_tokens, so a learner
+        would train on a shorter budget than it asked for without knowing. Multi-turn conversations are bounded turn
+        by turn instead (tool results add tokens no request can foresee; docs/multi_turn.md)."""
+        if multi_turn is not None:
+            return
+        field, budget = "sampling.max_tokens", sampling.max_tokens
+        for p, ids in zip(prompts, token_ids):
+            room = self.max_model_len - len(ids)
+            if budget > room:
+                raise InvalidRequest(
+                    f"prompt {p.id!r}: {field}={budget} exceeds the {room} tokens the context leaves after its "
+                    f"{len(ids)} prompt tokens (max_model_len={self.max_model_len}): this replica's maximum context "
+                    f"length is {self.max_model_len} tokens, and {len(ids)} + {budget} > {self.max_model_len}; lower "
+                    "max_tokens or the prompt, or raise sampler.max_model_len"
+                )
+
     def _vllm_params(self, s: SamplingRequest, *, n: int | None = None, max_tokens: int | None = None,
                      seed: int | None = None):
         """vLLM's SamplingParams; what vLLM itself refuses (n above its limit, greedy with n > 1, ...) -> InvalidRequest."""
@@ -455,6 +479,7 @@ class SamplerEngine:
             except ValueError as e:
                 raise InvalidRequest(str(e)) from None
         token_ids = await self.tokenize_batch(prompts, tools=multi_turn is not None)
+        self.check_room(prompts, token_ids, sampling, multi_turn)
         if min_weight_version:
             await self.wait_for_version(min_weight_version, weight_wait_timeout_s or self.cfg.weight_wait_timeout_s)
         if multi_turn is not None:

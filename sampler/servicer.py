@@ -85,4 +85,5 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
             waiting_requests=e.load.waiting,
             vocab_size=e.vocab_size,
             busy_seconds=e.busy_seconds,
+            engine_steps=e.load.steps,
         )

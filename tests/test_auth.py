@@ -6,6 +6,9 @@ from a file or DGRPO_TOKEN and never from the config; services bind loopback by 
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import grpc
@@ -226,14 +229,34 @@ COMPOSE_BINDS = {"sampler": "sampler.host=0.0.0.0", "rewarder": "rewarder.host=0
 def test_compose_binds_all_interfaces_inside_containers_and_publishes_on_host_loopback(name):
     """Each file as written (the override files replace whole commands): inside the compose network every service
     must be reachable, so it binds 0.0.0.0; a published port is on the host's 127.0.0.1 only."""
-    services = yaml.safe_load((ROOT / "deploy" / name).read_text())["services"]
-    for svc_name, svc in services.items():
+    compose = yaml.safe_load((ROOT / "deploy" / name).read_text())
+    for svc_name, svc in compose["services"].items():
         command = svc.get("command")
-        if command:
+        if command and command[0] == "dgrpo":  # (`shm` sleeps, `token` writes a file; neither serves)
             assert COMPOSE_BINDS[command[1]] in command, f"{name}: {svc_name} binds the loopback default"
         for published in svc.get("ports", []):
             assert str(published).startswith("127.0.0.1:"), f"{name}: {svc_name} publishes {published} on every "\
                                                               "interface of the host"
     if name == "docker-compose.yml":
-        assert yaml.safe_load((ROOT / "deploy" / name).read_text())["x-dgrpo"]["environment"][TOKEN_ENV] == \
-            "${DGRPO_TOKEN:-}"
+        # The token reaches the one-shot `token` service only; the others read the file it writes.
+        assert compose["services"]["token"]["environment"][TOKEN_ENV] == "${DGRPO_TOKEN:-}"
+        assert TOKEN_ENV not in compose["x-dgrpo"]["environment"]
+
+
+def test_compose_token_is_given_kept_or_generated_owner_only(tmp_path, monkeypatch):
+    """deploy/docker-compose.yml's `token` service: DGRPO_TOKEN if set, else the earlier start's, else a fresh one;
+    the file 0600; a token every service would refuse stops it, naming the variable and never the token."""
+    from dgrpo.cli.token import ensure_token
+
+    path = tmp_path / "secrets" / "token"
+    monkeypatch.delenv("DGRPO_TOKEN", raising=False)
+    assert ensure_token(path) == "generated"
+    first = path.read_text().strip()
+    assert len(first) >= 32 and path.stat().st_mode & 0o777 == 0o600
+    assert ensure_token(path) == "kept" and path.read_text().strip() == first
+    monkeypatch.setenv("DGRPO_TOKEN", "chosen-by-the-operator-0123")
+    assert ensure_token(path) == "given" and path.read_text().strip() == "chosen-by-the-operator-0123"
+    bad = subprocess.run([sys.executable, "-m", "dgrpo.cli.token", str(path)], capture_output=True, text=True,
+                         env={**os.environ, "DGRPO_TOKEN": "short"}, check=False)
+    assert bad.returncode == 2 and "$DGRPO_TOKEN has 5 characters" in bad.stderr and "short" not in bad.stdout
+    assert path.read_text().strip() == "chosen-by-the-operator-0123"  # the refused one was not written

@@ -5,6 +5,7 @@ resumed run's metrics.jsonl has one record per step."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -86,6 +87,43 @@ def test_missing_prompt_and_reward_columns_name_their_keys(tmp_path):
     with pytest.raises(ConfigError, match=r"val_files\[0\]=.*no column 'answer' \(rewarder.spec.functions\[0\]"
                                           r".field='answer' names it\)"):
         preflight_stack(cfg, ports)
+
+
+# ---- optional loggers -----------------------------------------------------------------------------------------
+
+def test_default_loggers_need_nothing_beyond_the_default_install():
+    """The shipped defaults and configs name only loggers the lean install (and every image) runs."""
+    from dgrpo.learner.metrics import LOGGER_PACKAGES
+
+    root = Path(__file__).parents[1]
+    shipped = [StackConfig()] + [load_config(StackConfig, f, []) for f in sorted((root / "configs").glob("*.yaml"))]
+    for cfg in shipped:
+        assert not set(cfg.learner.trainer.loggers) & set(LOGGER_PACKAGES), cfg.learner.trainer.loggers
+
+
+def test_a_logger_that_is_not_installed_is_refused_naming_key_and_package(tmp_path):
+    from dgrpo.learner.metrics import check_loggers, missing_logger_packages
+
+    assert importlib.util.find_spec("wandb") is None, "this test needs an environment without wandb"
+    cfg = stack_cfg(tmp_path, "learner.trainer.loggers=[console,jsonl,wandb]")
+    with pytest.raises(ConfigError, match=r"learner.trainer.loggers=\['console', 'jsonl', 'wandb'\]: 'wandb' needs "
+                                          r"the package wandb \(pip install 'dgrpo\[wandb\]'\)"):
+        preflight(cfg.learner_run())
+    assert missing_logger_packages(["console", "jsonl", "tensorboard"]) == {}  # the dev extra has tensorboard
+    check_loggers(["console", "jsonl", "tensorboard"])
+
+
+def test_learner_with_a_missing_logger_exits_2_with_one_line_and_no_traceback(tmp_path):
+    """What a container in a restart loop would print: the key and the install line, not a traceback."""
+    train = write_jsonl(tmp_path / "train.jsonl", ROWS)
+    proc = subprocess.run(
+        [sys.executable, "-m", "dgrpo.cli", "learner", f"learner.data.train_files=[{train}]",
+         f"learner.checkpoint.dir={tmp_path / 'ckpt'}", f"learner.trainer.log_dir={tmp_path / 'runs'}",
+         "learner.trainer.control_port=0", "learner.trainer.loggers=[console,wandb]"],
+        check=False, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "learner.trainer.loggers" in proc.stderr and "pip install 'dgrpo[wandb]'" in proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
 
 
 # ---- folders and space ----------------------------------------------------------------------------------------

@@ -55,3 +55,30 @@ def listener_pid(port: int) -> int | None:
         if conn.status == psutil.CONN_LISTEN and conn.laddr.port == port and conn.pid:
             return conn.pid
     return None
+
+
+def stop_up(proc: subprocess.Popen, run_dir: Path) -> None:
+    """End a `dgrpo up` a test is done with, whatever state it is in: SIGTERM (it stops the learner, then its
+    services), then SIGKILL of `up` and of every process still running from this run's folder. Its services run in
+    sessions of their own, so killing `up` alone would leave them (and vLLM's busy engine workers) running and
+    taking the CPU from every later test."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    marker = str(run_dir)
+    leaders = [p for p in psutil.process_iter(["cmdline"]) if marker in " ".join(p.info["cmdline"] or [])]
+    for leader in leaders:
+        try:
+            members = [leader, *leader.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            continue
+        for member in members:
+            try:
+                member.kill()
+            except psutil.NoSuchProcess:
+                pass
+    psutil.wait_procs(leaders, timeout=10)

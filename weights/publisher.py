@@ -19,6 +19,7 @@ not thread-safe: one control thread owns XPUB and REP; publish() hands announcem
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 import weakref
@@ -90,6 +91,8 @@ class WeightPublisher:
         if cfg.transport == "shm":
             reclaim_stale(cfg.shm_dir)
         self._slots = _Slots(cfg, run_id)
+        self.incarnation = secrets.randbits(63) or 1
+        """Tells this process's versions from an earlier learner's of the same run (subscriber.py follows a new one)."""
         self._latest: Announcement | None = None
         self._ctx = zmq.Context()
         self._pub = self._ctx.socket(zmq.XPUB)
@@ -169,6 +172,7 @@ class WeightPublisher:
             self.run_id, version, slot=slot, seq=written.seq, transport=protocol.TRANSPORTS[self.cfg.transport],
             segment=seg.path.name if isinstance(seg, ShmSegment) else "", nbytes=written.nbytes,
             manifest_xxh3=written.manifest_xxh3, manifest=written.manifest, streaming=streaming,
+            incarnation=self.incarnation,
         )
 
     def _announce(self, announcement: Announcement) -> None:
@@ -182,7 +186,8 @@ class WeightPublisher:
     @property
     def latest(self) -> Announcement:
         """The latest announcement (version 0 when nothing is published yet)."""
-        return self._latest if self._latest is not None else protocol.announcement(self.run_id)
+        return self._latest if self._latest is not None else protocol.announcement(self.run_id,
+                                                                                   incarnation=self.incarnation)
 
     @property
     def segment_paths(self) -> list[Path]:

@@ -232,6 +232,11 @@ class WeightSubscriber:
         if self.run_id is not None and ann.run_id != self.run_id:
             log.warning("weights from a new run %r (was %r): following it", ann.run_id, self.run_id)
             return True
+        if self.current is not None and ann.incarnation != self.current.incarnation:
+            # A restarted learner resumed from its checkpoint: what it trains on is its version, whatever the number.
+            log.warning("weights from a restarted learner of run %r (version %d; version %d came from the previous "
+                        "one): following it", ann.run_id, ann.version, self.target.weight_version)
+            return True
         return ann.version > self.target.weight_version
 
     def _check_manifest(self, ann: Announcement) -> str | None:
@@ -304,10 +309,10 @@ class WeightSubscriber:
             except WeightIntegrityError as e:
                 log.warning("weight version %d failed during the load (%s): loading another before resuming",
                             ref.version, e)
-                failed = (ann.run_id, ann.version, ann.seq)
+                failed = (ann.run_id, ann.incarnation, ann.version, ann.seq)
             for candidate in (await self._latest(), self.current):
                 if candidate is None or candidate.version == 0 or (
-                        candidate.run_id, candidate.version, candidate.seq) == failed:
+                        candidate.run_id, candidate.incarnation, candidate.version, candidate.seq) == failed:
                     continue
                 staged = await self._stage(candidate)
                 if staged is not None:

@@ -1,6 +1,6 @@
 """deploy/: the compose files validate with a real compose implementation, every service command is a valid dgrpo
 configuration of today's StackConfig, and the topology keeps its promises (scalable samplers without host ports,
-shared memory and PID namespace with the learner, gRPC health checks, restart policies, one device set per service).
+shared memory and PID namespace held by `shm` for the learner and samplers, gRPC health checks, restart policies, one device set per service).
 
 There is no Docker engine here: `docker compose config` / `docker-compose config` parse, merge and interpolate the
 files exactly as `up` would, without starting anything. CI installs Debian's compose with
@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
+TOKEN_FILE = "/run/dgrpo-secrets/token"
 DEPLOY = ROOT / "deploy"
 VARIANTS = {
     "cpu": ["docker-compose.yml"],
@@ -59,6 +60,14 @@ def resolved(variant: str, profiles: tuple[str, ...] = ("swap",)) -> dict:
     return yaml.safe_load(proc.stdout)
 
 
+def dgrpo_services(variant: str) -> dict:
+    """The services that run `dgrpo <service>` (all but the namespace holder `shm` and the one-shot `token`)."""
+    services = resolved(variant)["services"]
+    assert services["shm"]["command"] == ["sleep", "infinity"], "shm runs something that can fail"
+    assert services["token"]["command"] == ["python3", "-m", "dgrpo.cli.token", TOKEN_FILE]
+    return {name: s for name, s in services.items() if name not in ("shm", "token")}
+
+
 def dgrpo_command(command: list[str]) -> tuple[str, str, list[str]]:
     """(subcommand, config file in the repository, overrides) of a service's `dgrpo <cmd> --config=... k=v` line."""
     assert command[0] == "dgrpo", command
@@ -78,7 +87,7 @@ def test_every_service_command_is_a_valid_stack_config(variant):
     from dgrpo.cli.stack import StackConfig
     from dgrpo.common.config import load_config
 
-    services = resolved(variant)["services"]
+    services = dgrpo_services(variant)
     assert {"rewarder", "rewarder-next", "learner", "sampler"} <= set(services)
     for name, svc in services.items():
         sub, config, overrides = dgrpo_command(svc["command"])
@@ -90,7 +99,8 @@ def test_every_service_command_is_a_valid_stack_config(variant):
 @needs_compose
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_topology(variant):
-    services = resolved(variant)["services"]
+    everything = resolved(variant)["services"]
+    services = dgrpo_services(variant)
     learner = services["learner"]
     samplers = {n: s for n, s in services.items() if s["command"][1] == "sampler"}
     assert "sampler" in samplers
@@ -98,13 +108,20 @@ def test_topology(variant):
     # The learner finds every replica through one DNS name, and weights through its own address.
     assert "sampler.addresses=[dns:///sampler:50051]" in learner["command"]
     assert "learner.rollout.rewarder_address=dns:///rewarder:50052" in learner["command"]
-    assert learner["ipc"] == "shareable" and learner["shm_size"] and learner["init"] is True
+    # /dev/shm (the weight slots) and the PID namespace belong to `shm`, which runs nothing that can fail: a
+    # learner that restarts or is recreated never takes the samplers' namespaces (and the samplers) with it.
+    holder = everything["shm"]
+    assert holder["ipc"] == "shareable" and holder["shm_size"] and holder["init"] is True
+    assert holder["network_mode"] == "none" and holder["restart"] == "unless-stopped" and not holder["environment"]
     assert learner["restart"] == "on-failure"
+    assert learner["ipc"] == "service:shm" and learner["pid"] == "service:shm" and "shm_size" not in learner
+    assert set(learner["depends_on"]) == {"token", "shm", "rewarder"}
     for name, s in samplers.items():
-        # --scale needs no fixed host port and no container_name; joining the learner's namespaces shares /dev/shm
+        # --scale needs no fixed host port and no container_name; joining the holder's namespaces shares /dev/shm
         # and the process ids the stale-segment check compares.
         assert "ports" not in s and "container_name" not in s, name
-        assert s["ipc"] == "service:learner" and s["pid"] == "service:learner", name
+        assert s["ipc"] == "service:shm" and s["pid"] == "service:shm", name
+        assert "learner" not in s.get("depends_on", {}), f"{name} would be restarted with the learner"
         assert "weights.host=learner" in s["command"], name
         if name != "sampler":
             assert "sampler" in s["networks"]["default"]["aliases"], f"{name} is not reachable as `sampler`"
@@ -117,10 +134,37 @@ def test_topology(variant):
     assert "rewarder" in services["rewarder-next"]["networks"]["default"]["aliases"]
 
 
+def _mount(volume) -> tuple[str, str, bool]:
+    """(source, target, read-only) of a volume entry, in the long form (Compose v2) or the short one (1.29)."""
+    if isinstance(volume, dict):
+        return volume.get("source", ""), volume["target"], bool(volume.get("read_only"))
+    source, target, *mode = volume.split(":")
+    return source, target, mode == ["ro"]
+
+
+@needs_compose
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_no_service_runs_without_the_token(variant):
+    """`docker compose up` with no DGRPO_TOKEN still authenticates every call: `token` writes one before anything
+    starts, every service reads it from the read-only secrets volume, and nothing else carries it."""
+    everything = resolved(variant)["services"]
+    token = everything["token"]
+    assert token["network_mode"] == "none" and token["restart"] == "no"
+    assert token["environment"] == {"DGRPO_TOKEN": ""}  # empty here: the caller's DGRPO_* is dropped
+    assert token["image"] == everything["learner"]["image"]
+    for name, s in dgrpo_services(variant).items():
+        assert f"auth.token_file={TOKEN_FILE}" in s["command"], name
+        assert s["depends_on"]["token"]["condition"] == "service_completed_successfully", name
+        mounts = [_mount(v) for v in s["volumes"] if _mount(v)[0] == "dgrpo-secrets"]
+        assert mounts == [("dgrpo-secrets", "/run/dgrpo-secrets", True)], name
+        assert "DGRPO_TOKEN" not in (s.get("environment") or {}), f"{name} carries the token in its environment"
+        assert s["environment"].get("GLOO_SOCKET_IFNAME") == "lo" or variant != "cpu", name
+
+
 @needs_compose
 @pytest.mark.parametrize("variant", ["cuda", "npu"])
 def test_each_device_service_has_its_own_devices(variant):
-    services = resolved(variant)["services"]
+    services = dgrpo_services(variant)
     var = DEVICE_VAR[variant]
     used: dict[str, str] = {}
     for name, s in services.items():

@@ -74,7 +74,8 @@ def test_short_run_trains_publishes_and_logs(stack, tiny_model):
     """`dgrpo learner --config ... overrides`: 2 steps, weights change, versions increase, samplers serve them."""
     root = stack["root"]
     cmd = [sys.executable, "-m", "dgrpo.cli", "learner", "--config", str(stack["config"]),
-           f"learner.checkpoint.dir={root / 'ckpt_a'}", "learner.trainer.run_name=a"]
+           f"learner.checkpoint.dir={root / 'ckpt_a'}", "learner.trainer.run_name=a",
+           "learner.trainer.loggers=[console,jsonl,tensorboard]"]
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-6000:]
 

@@ -57,26 +57,44 @@ def generate(stub, prompts, **sampling) -> list[pb.Group]:
 
 
 def test_groups_stream_per_prompt_before_the_batch_ends(stub):
-    # The long prompt can only add a few tokens before max_model_len; the short one runs up to 900 tokens.
-    long_prompt = pb.Prompt(id="long", token_ids=pb.TokenIds(ids=[100 + i % 50 for i in range(MAX_MODEL_LEN - 6)]))
+    """One request, two prompts: the group that ends first arrives while the other prompt's requests still run.
+    Every prompt may use all of max_tokens (a request the context cannot hold is refused), so the early group ends
+    at a stop token: with top_k=1 each prompt follows one deterministic path, and the stop token is the early
+    prompt's first token, which the long run never produces."""
+    greedy = {"n": 1, "temperature": 1.0, "top_k": 1}
     short_prompt = pb.Prompt(id="short", text="Once upon a time")
+    long_run = set(generate(stub, [short_prompt], max_tokens=900, **greedy)[0].completions[0].token_ids)
+    for k in range(40):
+        early = pb.Prompt(id="early", token_ids=pb.TokenIds(ids=[100 + k] * 50))
+        stop_at = generate(stub, [early], max_tokens=1, **greedy)[0].completions[0].token_ids[0]
+        if stop_at not in long_run:
+            break
+    else:
+        pytest.fail("no prompt whose first token the long run never produces")
     arrivals = []
-    for group in stub.Generate(pb.GenerateRequest(prompts=[short_prompt, long_prompt],
-                                                  sampling=pb.SamplingParams(n=3, max_tokens=900, temperature=1.0))):
+    sampling = pb.SamplingParams(n=3, max_tokens=900, temperature=1.0, top_k=1, stop_token_ids=[stop_at])
+    for group in stub.Generate(pb.GenerateRequest(prompts=[short_prompt, early], sampling=sampling)):
         # While the first group is in our hands, the other prompt's requests are still running in the engine.
         arrivals.append((group.prompt_id, stub.Info(pb.InfoRequest()).running_requests, group))
-    assert [a[0] for a in arrivals] == ["long", "short"]
+    assert [a[0] for a in arrivals] == ["early", "short"]
     assert arrivals[0][1] > 0, "the first group arrived only after the whole batch had finished"
-    long_group, short_group = arrivals[0][2], arrivals[1][2]
-    assert all(c.finish_reason == pb.FINISH_REASON_LENGTH and len(c.token_ids) <= 6 for c in long_group.completions)
+    early_group, short_group = arrivals[0][2], arrivals[1][2]
+    assert all(c.finish_reason == pb.FINISH_REASON_STOP and len(c.token_ids) <= 1 for c in early_group.completions)
     assert any(len(c.token_ids) > 100 for c in short_group.completions)
-    for group in (long_group, short_group):
+    for group in (early_group, short_group):
         assert len(group.completions) == 3
         assert group.replica_id == "test-replica"
         for c in group.completions:
-            assert len(c.logprobs) == len(c.token_ids) > 0
+            assert len(c.logprobs) == len(c.token_ids)
             assert all(lp <= 0 for lp in c.logprobs)
             assert c.weight_version == 0
+
+
+def test_max_tokens_up_to_the_context_left_after_the_prompt(stub):
+    """A prompt of max_model_len - 10 tokens may ask for 10 new tokens; 11 are refused (BAD_REQUESTS), not cut."""
+    prompt = pb.Prompt(id="edge", token_ids=pb.TokenIds(ids=[100 + i % 50 for i in range(MAX_MODEL_LEN - 10)]))
+    (group,) = generate(stub, [prompt], max_tokens=10, temperature=1.0)
+    assert 1 <= len(group.completions[0].token_ids) <= 10
 
 
 def test_logprobs_match_transformers_forward(stub, tiny_model):
@@ -177,6 +195,10 @@ BAD_REQUESTS = [
     ("n < 1", [pb.Prompt(id="a", text="x")], {"n": 0}, "sampling.n"),
     ("max_tokens < 1", [pb.Prompt(id="a", text="x")], {"max_tokens": 0}, "sampling.max_tokens"),
     ("too long", [pb.Prompt(id="a", token_ids=pb.TokenIds(ids=[5] * MAX_MODEL_LEN))], {}, "max_model_len"),
+    # vLLM's engine would stop at the context and call it `length`: refused instead, naming the limit
+    ("max_tokens past the context", [pb.Prompt(id="a", token_ids=pb.TokenIds(ids=[5] * (MAX_MODEL_LEN - 10)))],
+     {"max_tokens": 11}, (f"sampling.max_tokens=11 exceeds the 10 tokens the context leaves after its "
+                          f"{MAX_MODEL_LEN - 10} prompt tokens (max_model_len={MAX_MODEL_LEN})")),
     ("out of vocab", [pb.Prompt(id="a", token_ids=pb.TokenIds(ids=[1, 10_000_000]))], {}, "vocabulary"),
     ("unknown role", [pb.Prompt(id="a", chat=pb.ChatMessages(messages=[pb.ChatMessage(role="wizard", content="x")]))],
      {}, "unknown chat role 'wizard'"),

@@ -183,14 +183,18 @@ def test_a_late_joiner_serves_the_latest_version_at_start_then_follows(transport
     assert segments_of(peer.pid) == []  # the staging segment went with a normal exit
 
 
-def test_a_restarted_learner_is_followed_even_to_lower_versions(channel_cfg, start_peer):
+@pytest.mark.parametrize("second_run", ["run-b", "run-a"])
+def test_a_restarted_learner_is_followed_even_to_lower_versions(second_run, channel_cfg, start_peer):
+    """A new run, or the same run resumed from an older checkpoint (a learner container killed and started again):
+    its versions are the ones it trains on, whatever their numbers."""
     cfg = channel_cfg()
     first = WeightPublisher(cfg, "run-a", dtype="bfloat16")
     publish(first, 3, seed=1)
     peer = start_peer(cfg)
     assert peer.wait_for("started")["version"] == 3
     first.close()
-    with WeightPublisher(cfg, "run-b", dtype="bfloat16") as second:  # same ports, new run id
+    with WeightPublisher(cfg, second_run, dtype="bfloat16") as second:  # same ports
+        assert second.incarnation != first.incarnation
         expected = publish(second, 1, seed=2)
         assert peer.wait_for("serving", version=1)["sums"] == expected
         assert peer.stop() == 0

@@ -169,7 +169,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SamplerInfo(_message.Message):
-    __slots__ = ("model", "dtype", "device", "max_model_len", "replica_id", "weight_version", "running_requests", "waiting_requests", "vocab_size", "busy_seconds")
+    __slots__ = ("model", "dtype", "device", "max_model_len", "replica_id", "weight_version", "running_requests", "waiting_requests", "vocab_size", "busy_seconds", "engine_steps")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -180,6 +180,7 @@ class SamplerInfo(_message.Message):
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     BUSY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_STEPS_FIELD_NUMBER: _ClassVar[int]
     model: str
     dtype: str
     device: str
@@ -190,4 +191,5 @@ class SamplerInfo(_message.Message):
     waiting_requests: int
     vocab_size: int
     busy_seconds: float
-    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_model_len: _Optional[int] = ..., replica_id: _Optional[str] = ..., weight_version: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., vocab_size: _Optional[int] = ..., busy_seconds: _Optional[float] = ...) -> None: ...
+    engine_steps: int
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_model_len: _Optional[int] = ..., replica_id: _Optional[str] = ..., weight_version: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., vocab_size: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., engine_steps: _Optional[int] = ...) -> None: ...

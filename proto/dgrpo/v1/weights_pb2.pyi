@@ -45,7 +45,7 @@ class WeightManifest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., version: _Optional[int] = ..., dtype: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[WeightTensor, _Mapping]]] = ...) -> None: ...
 
 class WeightAnnouncement(_message.Message):
-    __slots__ = ("protocol", "run_id", "version", "slot", "seq", "transport", "segment", "nbytes", "manifest_xxh3", "manifest", "streaming")
+    __slots__ = ("protocol", "run_id", "version", "slot", "seq", "transport", "segment", "nbytes", "manifest_xxh3", "manifest", "streaming", "incarnation")
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +57,7 @@ class WeightAnnouncement(_message.Message):
     MANIFEST_XXH3_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     STREAMING_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     protocol: int
     run_id: str
     version: int
@@ -68,7 +69,8 @@ class WeightAnnouncement(_message.Message):
     manifest_xxh3: int
     manifest: WeightManifest
     streaming: bool
-    def __init__(self, protocol: _Optional[int] = ..., run_id: _Optional[str] = ..., version: _Optional[int] = ..., slot: _Optional[int] = ..., seq: _Optional[int] = ..., transport: _Optional[_Union[WeightTransport, str]] = ..., segment: _Optional[str] = ..., nbytes: _Optional[int] = ..., manifest_xxh3: _Optional[int] = ..., manifest: _Optional[_Union[WeightManifest, _Mapping]] = ..., streaming: _Optional[bool] = ...) -> None: ...
+    incarnation: int
+    def __init__(self, protocol: _Optional[int] = ..., run_id: _Optional[str] = ..., version: _Optional[int] = ..., slot: _Optional[int] = ..., seq: _Optional[int] = ..., transport: _Optional[_Union[WeightTransport, str]] = ..., segment: _Optional[str] = ..., nbytes: _Optional[int] = ..., manifest_xxh3: _Optional[int] = ..., manifest: _Optional[_Union[WeightManifest, _Mapping]] = ..., streaming: _Optional[bool] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class WeightControlRequest(_message.Message):
     __slots__ = ("protocol", "latest", "fetch")
