@@ -15,9 +15,12 @@ class WeightSyncConfig(StrictConfig):
     enabled: bool = True
     """Samplers subscribe to the learner's weight announcements (and catch up at start). Off: a sampler serves its
     initial checkpoint (version 0) forever."""
-    transport: Literal["shm", "tcp"] = "shm"
+    transport: Literal["shm", "tcp", "collective"] = "shm"
     """shm: the learner writes two POSIX shared-memory slots in `shm_dir` that samplers on the same host read
-    directly. tcp: the same slot bytes are fetched over pyzmq from the learner (samplers on other hosts)."""
+    directly. tcp: the same slot bytes are fetched over pyzmq from the learner, one copy per replica.
+    collective: samplers on other hosts; the learner broadcasts each version once per host over a torch.distributed
+    group to one replica there (the relay), which writes it into that host's shared-memory slots for every replica
+    on the host (docs/weight_sync.md, "Across hosts")."""
     host: str = "127.0.0.1"
     """Address at which samplers reach the learner's announcement and control sockets (e.g. `learner` in compose)."""
     bind_host: str = "127.0.0.1"
@@ -55,6 +58,13 @@ class WeightSyncConfig(StrictConfig):
     fetch_timeout_s: float = Field(default=60.0, gt=0)
     """Bound on receiving one version's bytes: a tcp fetch, or a streamed write that makes no progress that long
     (the learner died mid-write: the sampler then goes back to the version it had)."""
+    collective_timeout_s: float = Field(default=30.0, gt=0, le=3600)
+    """collective: bound on every step of a host's group (forming it, each chunk of a version, each acknowledgement,
+    the keep-alive sent every third of it while idle). A host that exceeds it is logged by name, its group is torn
+    down, and its relay rejoins and is sent the latest version again."""
+    collective_chunk_mb: int = Field(default=64, ge=1, le=4096)
+    """collective: a version crosses in broadcasts of this many MB, each bounded by collective_timeout_s (a chunk
+    must cross the slowest link within it: 64 MB at 1 Gbit/s takes 0.5 s)."""
     rounding: Literal["stochastic", "nearest"] = "stochastic"
     """How the learner's fp32 master weights become bf16 published weights (model.dtype bfloat16; other dtypes
     round to nearest). stochastic: each weight rounds up or down with the odds that keep it right on average, so

@@ -23,7 +23,8 @@ TOPIC = b"weights"
 
 Announcement = pb.WeightAnnouncement
 Manifest = pb.WeightManifest
-TRANSPORTS = {"shm": pb.WEIGHT_TRANSPORT_SHM, "tcp": pb.WEIGHT_TRANSPORT_TCP}
+TRANSPORTS = {"shm": pb.WEIGHT_TRANSPORT_SHM, "tcp": pb.WEIGHT_TRANSPORT_TCP,
+              "collective": pb.WEIGHT_TRANSPORT_COLLECTIVE}
 TRANSPORT_NAMES = {v: k for k, v in TRANSPORTS.items()}
 SEGMENT = re.compile(r"^dgrpo-w-[A-Za-z0-9_.-]{1,64}-\d+-\d+-s[01]$")
 """A learner slot's file name (weights/publisher.py segment_path): nothing else is ever opened from an announcement."""
@@ -139,12 +140,19 @@ def fetch_request(version: int, slot: int) -> bytes:
     return pb.WeightControlRequest(protocol=PROTOCOL, fetch=fetch).SerializeToString()
 
 
+def join_request(host_key: str, host_name: str) -> bytes:
+    join = pb.JoinCollectiveRequest(host_key=host_key[:200], host_name=host_name[:200])
+    return pb.WeightControlRequest(protocol=PROTOCOL, join=join).SerializeToString()
+
+
 def decode_request(raw: bytes) -> pb.WeightControlRequest:
     if len(raw) > MAX_CONTROL_REQUEST_BYTES:
         raise ProtocolError(f"control request of {len(raw)} bytes (at most {MAX_CONTROL_REQUEST_BYTES})")
     request = _parse(pb.WeightControlRequest(), raw, "control request")
     if request.WhichOneof("request") is None:
-        raise ProtocolError("control request: neither `latest` nor `fetch`")
+        raise ProtocolError("control request: neither `latest` nor `fetch` nor `join`")
+    if request.WhichOneof("request") == "join" and not request.join.host_key:
+        raise ProtocolError("control request `join`: no host_key")
     return request
 
 
@@ -155,6 +163,11 @@ def latest_reply(ann: pb.WeightAnnouncement) -> bytes:
 def fetched_reply(version: int, seq: int, nbytes: int) -> bytes:
     fetched = pb.FetchedWeights(version=version, seq=seq, nbytes=nbytes)
     return pb.WeightControlReply(protocol=PROTOCOL, fetched=fetched).SerializeToString()
+
+
+def group_reply(port: int, backend: str, timeout_s: float) -> bytes:
+    group = pb.CollectiveGroup(port=port, backend=backend, timeout_s=timeout_s)
+    return pb.WeightControlReply(protocol=PROTOCOL, group=group).SerializeToString()
 
 
 def error_reply(message: str) -> bytes:

@@ -91,6 +91,11 @@ class WeightPublisher:
         if cfg.transport == "shm":
             reclaim_stale(cfg.shm_dir)
         self._slots = _Slots(cfg, run_id)
+        self._collective = None
+        if cfg.transport == "collective":
+            from dgrpo.weights.collective import CollectiveSender
+
+            self._collective = CollectiveSender(cfg, self._slots)
         self.incarnation = secrets.randbits(63) or 1
         """Tells this process's versions from an earlier learner's of the same run (subscriber.py follows a new one)."""
         self._latest: Announcement | None = None
@@ -114,8 +119,8 @@ class WeightPublisher:
         # Segments go away on normal exit even when close() is forgotten; a SIGKILLed run's are reclaimed at the
         # next start (reclaim_stale).
         self._finalizer = weakref.finalize(self, WeightPublisher._cleanup, self._slots, self._stop, self._thread,
-                                           self._ctx, [self._pub, self._rep, self._announce_rx,
-                                                                            self._announce_tx])
+                                           self._ctx, [self._pub, self._rep, self._announce_rx, self._announce_tx],
+                                           self._collective)
         log.info("weight publisher %s: %s transport, announcements on :%d, control on :%d, dtype %s",
                  run_id, cfg.transport, cfg.announce_port, cfg.control_port, self.dtype)
 
@@ -155,10 +160,13 @@ class WeightPublisher:
         t1 = time.perf_counter()
         if self._latest is None:
             log.info("weight slots: 2 x %.1f MB (%s, %d tensors as %s)", written.nbytes / 1e6,
-                     self.cfg.shm_dir if self.cfg.transport == "shm" else "learner memory, served over tcp",
+                     self.cfg.shm_dir if self.cfg.transport == "shm" else
+                     f"learner memory, served over {self.cfg.transport}",
                      len(written.manifest.tensors), self.dtype)
         self._latest = announcement
         self._announce(announcement)
+        if self._collective is not None:
+            self._collective.published(announcement)  # each host's link sends it; publish() does not wait
         t2 = time.perf_counter()
         stats = PublishStats(version, slot, written.nbytes, len(written.manifest.tensors),
                              write_s=t1 - t0, announce_s=t2 - t1, total_s=t2 - t0)
@@ -224,6 +232,8 @@ class WeightPublisher:
             request = protocol.decode_request(frames[0])
             if request.WhichOneof("request") == "latest":
                 self._reply([protocol.latest_reply(self.latest)])
+            elif request.WhichOneof("request") == "join":
+                self._reply([self._join(request.join)])
             else:
                 self._send_slot(request.fetch.version, request.fetch.slot)
         except ProtocolError as e:
@@ -250,11 +260,25 @@ class WeightPublisher:
             seg = self._slots.segments[slot]
             self._reply([protocol.fetched_reply(version, held.seq, held.nbytes), memoryview(seg.buffer)[: held.nbytes]])
 
+    def _join(self, join) -> bytes:
+        if self._collective is None:
+            raise ProtocolError(f"a relay asked to join a collective group, but this learner's weights.transport is "
+                                f"{self.cfg.transport!r} (learner and samplers must both use collective)")
+        port = self._collective.join(join.host_key, join.host_name)
+        return protocol.group_reply(port, "gloo", self.cfg.collective_timeout_s)
+
+    @property
+    def hosts(self) -> dict:
+        """collective: what the learner knows of each host (name, newest acknowledged version, joins, failures)."""
+        return dict(self._collective.hosts) if self._collective is not None else {}
+
     # --- lifecycle ---
 
     @staticmethod
-    def _cleanup(slots: _Slots, stop: threading.Event, thread: threading.Thread, ctx, sockets) -> None:
+    def _cleanup(slots: _Slots, stop: threading.Event, thread: threading.Thread, ctx, sockets, collective) -> None:
         stop.set()
+        if collective is not None:
+            collective.close()
         if thread.is_alive() and thread is not threading.current_thread():
             thread.join(timeout=2)
         for s in sockets:

@@ -21,6 +21,12 @@ during a load are coalesced: only the newest is loaded.
 Late joiners: PUB/SUB drops what was sent before a subscription is live, so the learner's XPUB socket answers
 every new subscription with the latest announcement. `start()` waits (bounded by `catch_up_timeout_s`) for that
 first message and loads the version it names before returning; nothing published after it can be missed.
+
+Collective transport (samplers on another host than the learner): the bytes reach the host once, through its relay
+replica (weights/relay.py, elected among the host's replicas), which names each verified version in the host's index
+file. Every replica follows that index instead of the announcements and loads from the relay's shared-memory slots
+through the same shm path; at start it waits (bounded by `fetch_timeout_s`) until the index holds the learner's
+latest version.
 """
 
 from __future__ import annotations
@@ -47,6 +53,8 @@ from dgrpo.weights.slot import WeightIntegrityError
 
 log = logging.getLogger(__name__)
 
+HOST_POLL_S = 0.02
+"""collective: how often a replica checks its host's index for a version the relay wrote (a stat call)."""
 MAX_TORN_RETRIES = 3
 """Loads in a row that failed after touching the model before the replica gives up and stops serving."""
 
@@ -157,12 +165,20 @@ class WeightSubscriber:
         self._lock = asyncio.Lock()
         self._task: asyncio.Task | None = None
         self._control = f"tcp://{cfg.host}:{cfg.control_port}"
+        self._host = None  # collective: this host's relay (elected or not) and its index
+        if cfg.transport == "collective":
+            from dgrpo.weights.relay import HostIndex, HostRelay
+
+            self._relay = HostRelay(cfg, token)
+            self._host = HostIndex(self._relay.index_path)
 
     # --- lifecycle ---
 
     async def start(self) -> None:
         """Subscribe, catch up to the latest published version (bounded wait), then follow announcements."""
         reclaim_stale(self.cfg.shm_dir)
+        if self._host is not None:
+            self._relay.start()
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
         self._sub.setsockopt(zmq.SUBSCRIBE, protocol.TOPIC)
@@ -179,7 +195,10 @@ class WeightSubscriber:
                 raise
             except Exception:  # serve what we have rather than not at all; the failure is logged loudly
                 log.exception("catching up on weights failed; serving version %d", self.target.weight_version)
-        self._task = asyncio.get_running_loop().create_task(self._listen())
+        if self._host is not None:  # announcements only named the version to catch up on
+            self._sub.close(linger=0)
+        follow = self._listen() if self._host is None else self._follow_host()
+        self._task = asyncio.get_running_loop().create_task(follow)
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -190,6 +209,8 @@ class WeightSubscriber:
         self._ctx.term()
         if self._staging is not None:
             self._staging.close(unlink=True)
+        if self._host is not None:
+            await asyncio.to_thread(self._relay.stop)
 
     @property
     def failed(self) -> BaseException | None:
@@ -219,8 +240,48 @@ class WeightSubscriber:
             return
         if ann.streaming and self.cfg.transport == "tcp":
             return  # its bytes can only be fetched once complete: the complete announcement follows
+        if (ann.transport == protocol.TRANSPORTS["collective"]) != (self._host is not None) and ann.version > 0:
+            self._reject(f"weight version {ann.version} comes by weights.transport="
+                         f"{protocol.TRANSPORT_NAMES[ann.transport]}, this sampler's is {self.cfg.transport!r} (the "
+                         "learner and its samplers need the same)")
+            return
+        if self._host is not None:
+            if ann.version > 0:
+                await self._catch_up_host(ann)
+            return
         if ann.version > 0:  # 0: the learner is up but has published nothing yet
             await self.load(ann)
+
+    async def _follow_host(self) -> None:
+        """collective: load every version the host's relay names in the index."""
+        while True:
+            await asyncio.sleep(HOST_POLL_S)
+            ann = self._host.changed()
+            if ann is None:
+                continue
+            try:
+                await self.load(ann)
+            except WeightChannelBroken:
+                raise
+            except Exception:
+                log.exception("weight update failed; still serving version %d", self.target.weight_version)
+
+    async def _catch_up_host(self, learner: Announcement) -> None:
+        """collective, at start: load versions from the host's index until it reaches the learner's `learner`."""
+        deadline = time.monotonic() + self.cfg.fetch_timeout_s
+        while True:
+            ann = self._host.read()
+            if ann is not None and (ann.run_id, ann.incarnation) == (learner.run_id, learner.incarnation):
+                await self.load(ann)
+                if self.current is not None and self.current.version >= learner.version and \
+                        self.current.incarnation == learner.incarnation:
+                    return
+            if time.monotonic() > deadline:
+                log.warning("the host's relay has not received weight version %d in %.0fs; serving version %d "
+                            "and following the host's index", learner.version, self.cfg.fetch_timeout_s,
+                            self.target.weight_version)
+                return
+            await asyncio.sleep(HOST_POLL_S)
 
     # --- loading one version ---
 
@@ -324,7 +385,10 @@ class WeightSubscriber:
                                   "abandoned or corrupt while it was loaded); this replica must not serve")
 
     async def _latest(self) -> Announcement | None:
-        """The learner's latest complete announcement, or None when it does not answer properly."""
+        """The learner's latest complete announcement (collective: the host's), or None when it does not answer
+        properly."""
+        if self._host is not None:
+            return self._host.read()
         reply = await self._request(protocol.latest_request(), self.cfg.catch_up_timeout_s)
         try:
             return None if reply is None else protocol.decode_reply(reply[0]).latest

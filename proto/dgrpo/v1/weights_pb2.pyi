@@ -12,9 +12,11 @@ class WeightTransport(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WEIGHT_TRANSPORT_UNSPECIFIED: _ClassVar[WeightTransport]
     WEIGHT_TRANSPORT_SHM: _ClassVar[WeightTransport]
     WEIGHT_TRANSPORT_TCP: _ClassVar[WeightTransport]
+    WEIGHT_TRANSPORT_COLLECTIVE: _ClassVar[WeightTransport]
 WEIGHT_TRANSPORT_UNSPECIFIED: WeightTransport
 WEIGHT_TRANSPORT_SHM: WeightTransport
 WEIGHT_TRANSPORT_TCP: WeightTransport
+WEIGHT_TRANSPORT_COLLECTIVE: WeightTransport
 
 class WeightTensor(_message.Message):
     __slots__ = ("name", "dtype", "shape", "offset", "nbytes", "xxh3")
@@ -73,14 +75,34 @@ class WeightAnnouncement(_message.Message):
     def __init__(self, protocol: _Optional[int] = ..., run_id: _Optional[str] = ..., version: _Optional[int] = ..., slot: _Optional[int] = ..., seq: _Optional[int] = ..., transport: _Optional[_Union[WeightTransport, str]] = ..., segment: _Optional[str] = ..., nbytes: _Optional[int] = ..., manifest_xxh3: _Optional[int] = ..., manifest: _Optional[_Union[WeightManifest, _Mapping]] = ..., streaming: _Optional[bool] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class WeightControlRequest(_message.Message):
-    __slots__ = ("protocol", "latest", "fetch")
+    __slots__ = ("protocol", "latest", "fetch", "join")
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     LATEST_FIELD_NUMBER: _ClassVar[int]
     FETCH_FIELD_NUMBER: _ClassVar[int]
+    JOIN_FIELD_NUMBER: _ClassVar[int]
     protocol: int
     latest: LatestWeightsRequest
     fetch: FetchWeightsRequest
-    def __init__(self, protocol: _Optional[int] = ..., latest: _Optional[_Union[LatestWeightsRequest, _Mapping]] = ..., fetch: _Optional[_Union[FetchWeightsRequest, _Mapping]] = ...) -> None: ...
+    join: JoinCollectiveRequest
+    def __init__(self, protocol: _Optional[int] = ..., latest: _Optional[_Union[LatestWeightsRequest, _Mapping]] = ..., fetch: _Optional[_Union[FetchWeightsRequest, _Mapping]] = ..., join: _Optional[_Union[JoinCollectiveRequest, _Mapping]] = ...) -> None: ...
+
+class JoinCollectiveRequest(_message.Message):
+    __slots__ = ("host_key", "host_name")
+    HOST_KEY_FIELD_NUMBER: _ClassVar[int]
+    HOST_NAME_FIELD_NUMBER: _ClassVar[int]
+    host_key: str
+    host_name: str
+    def __init__(self, host_key: _Optional[str] = ..., host_name: _Optional[str] = ...) -> None: ...
+
+class CollectiveGroup(_message.Message):
+    __slots__ = ("port", "backend", "timeout_s")
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    port: int
+    backend: str
+    timeout_s: float
+    def __init__(self, port: _Optional[int] = ..., backend: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class LatestWeightsRequest(_message.Message):
     __slots__ = ()
@@ -95,16 +117,18 @@ class FetchWeightsRequest(_message.Message):
     def __init__(self, version: _Optional[int] = ..., slot: _Optional[int] = ...) -> None: ...
 
 class WeightControlReply(_message.Message):
-    __slots__ = ("protocol", "latest", "fetched", "error")
+    __slots__ = ("protocol", "latest", "fetched", "error", "group")
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     LATEST_FIELD_NUMBER: _ClassVar[int]
     FETCHED_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
     protocol: int
     latest: WeightAnnouncement
     fetched: FetchedWeights
     error: str
-    def __init__(self, protocol: _Optional[int] = ..., latest: _Optional[_Union[WeightAnnouncement, _Mapping]] = ..., fetched: _Optional[_Union[FetchedWeights, _Mapping]] = ..., error: _Optional[str] = ...) -> None: ...
+    group: CollectiveGroup
+    def __init__(self, protocol: _Optional[int] = ..., latest: _Optional[_Union[WeightAnnouncement, _Mapping]] = ..., fetched: _Optional[_Union[FetchedWeights, _Mapping]] = ..., error: _Optional[str] = ..., group: _Optional[_Union[CollectiveGroup, _Mapping]] = ...) -> None: ...
 
 class FetchedWeights(_message.Message):
     __slots__ = ("version", "seq", "nbytes")
