@@ -228,7 +228,8 @@ class HostRelay:
         t0 = time.perf_counter()
         seg = self._segment(ann.run_id, ann.slot)
         buf = seg.ensure(nbytes)
-        seq = self._seq[ann.slot] + 1  # odd: readers of this slot reject it until the write ends
+        # Odd: readers of this slot reject it until the write ends (a transfer that failed left it odd already).
+        seq = self._seq[ann.slot] + (1 if self._seq[ann.slot] % 2 == 0 else 2)
         self._seq[ann.slot] = seq
         memoryview(buf)[: len(header)] = header.numpy().tobytes()
         _put_seq(buf, seq)

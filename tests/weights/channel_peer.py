@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 import torch
+import xxhash
 
 from dgrpo.weights.config import WeightSyncConfig
 from dgrpo.weights.shm import open_readonly
@@ -56,6 +57,10 @@ class ModuleTarget:
     def sums(self) -> dict[str, float]:
         """Per-tensor sums of what is loaded (exact: the tests publish small integers)."""
         return {name: float(t.double().sum()) for name, t in self.state.items()}
+
+    def digests(self) -> dict[str, int]:
+        """Per-tensor xxh3-64 of the bytes loaded (what the learner's manifest says each tensor's bytes hash to)."""
+        return {name: xxhash.xxh3_64_intdigest(t.view(torch.uint8).numpy()) for name, t in self.state.items()}
 
     def _open(self, ref: SlotRef) -> None:
         self._release()
@@ -121,7 +126,7 @@ class ModuleTarget:
 
     def set_version(self, version: int) -> None:
         self._version = version
-        self.emit("serving", version=version, sums=self.sums())
+        self.emit("serving", version=version, sums=self.sums(), digests=self.digests())
 
     def _copy(self, reader: SlotReader, verify: bool) -> None:
         with torch.no_grad():
