@@ -48,8 +48,7 @@ REJOIN_PAUSE_S = 1.0
 
 
 def host_files(cfg: WeightSyncConfig) -> tuple[Path, Path]:
-    """(lock, index) of the host's relay for the learner at weights.host:control_port, inside weights.shm_dir. The
-    lock file stays (empty): removing it while another replica waits on it would let two replicas hold a lock."""
+    """(lock, index) of the host's relay for the learner at weights.host:control_port, inside weights.shm_dir."""
     learner = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{cfg.host}-{cfg.control_port}")[:80]
     base = Path(cfg.shm_dir) / f"dgrpo-relay-{learner}"
     return base.with_name(base.name + ".lock"), base.with_name(base.name + ".ann")
@@ -128,12 +127,10 @@ class HostRelay:
     # --- election ---
 
     def _run(self) -> None:
-        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             while not self._stop.is_set():
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
+                fd = self._elect()
+                if fd is None:
                     self._stop.wait(ELECTION_POLL_S)
                     continue
                 try:
@@ -144,11 +141,23 @@ class HostRelay:
                 finally:
                     self.is_relay = False
                     self._retire()
-                    fcntl.flock(fd, fcntl.LOCK_UN)
+                    self.lock_path.unlink(missing_ok=True)  # before the unlock: a waiter then finds it gone
+                    os.close(fd)
         except Exception:
             log.exception("weights: the host relay failed; another replica takes over")
-        finally:
-            os.close(fd)
+
+    def _elect(self) -> int | None:
+        """The locked lock file's descriptor if this replica now holds the host's lock, else None. The file is
+        opened afresh each try and must still be the one at the path once locked: a retiring relay removes it."""
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if os.fstat(fd).st_ino == os.stat(self.lock_path).st_ino:
+                return fd
+        except (BlockingIOError, FileNotFoundError):
+            pass
+        os.close(fd)
+        return None
 
     def _relay(self) -> None:
         while not self._stop.is_set():

@@ -8,6 +8,8 @@ versions shows), and its per-tensor xxh3 of the loaded bytes must equal the lear
 
 from __future__ import annotations
 
+import asyncio
+import importlib.util
 import json
 import re
 import sys
@@ -15,11 +17,15 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from hosts_support import EventProcess, TwoHosts, available
 
+from dgrpo.weights.collective_group import CollectiveError, PairGroup, listen_socket
 from dgrpo.weights.config import WeightSyncConfig
+from dgrpo.weights.publisher import WeightPublisher
+from dgrpo.weights.subscriber import WeightSubscriber
 
-pytestmark = pytest.mark.skipif(available() is not None, reason=str(available()))
+two_hosts = pytest.mark.skipif(available() is not None, reason=str(available()))
 
 HERE = Path(__file__).parent
 SMALL = {f"model.layers.{i}.w": [256, 1024 + 64 * i] for i in range(4)}  # ~2.2 MB in bf16
@@ -109,6 +115,7 @@ def relay_of(replicas: list[EventProcess], timeout: float = 30) -> EventProcess:
     raise AssertionError("no replica became the relay")
 
 
+@two_hosts
 def test_remote_replicas_serve_every_version_bit_for_bit_once_over_the_link_and_a_late_one_catches_up(run):
     r = run()
     r.publish(1)
@@ -134,6 +141,7 @@ def test_remote_replicas_serve_every_version_bit_for_bit_once_over_the_link_and_
     assert "relayed version 4" in relay_of([first, second]).logs()
 
 
+@two_hosts
 def test_link_down_mid_transfer_names_the_host_serves_nothing_torn_and_resumes(run):
     r = run(LARGE)
     r.hosts.cap_mbit(100)  # ~2 s per version: the link goes down in the middle of one
@@ -164,6 +172,7 @@ def test_link_down_mid_transfer_names_the_host_serves_nothing_torn_and_resumes(r
     r.assert_never_torn()
 
 
+@two_hosts
 def test_a_killed_relay_is_replaced_without_restarting_the_learner(run):
     r = run()
     r.publish(1)
@@ -182,6 +191,7 @@ def test_a_killed_relay_is_replaced_without_restarting_the_learner(run):
     r.assert_never_torn()
 
 
+@two_hosts
 def test_a_version_crosses_a_capped_link_at_its_rate(run):
     mbit = 200
     r = run(LARGE)
@@ -202,3 +212,43 @@ def served(replica: EventProcess) -> list[int]:
     while replica._pull(0):
         pass
     return [e["version"] for e in replica.events if e["event"] == "serving"]
+
+
+# --- on loopback: a mismatched pair of settings is refused by name, and no group waits unbounded ---------------------
+
+
+def module_target(shapes):
+    spec = importlib.util.spec_from_file_location("channel_peer", HERE / "channel_peer.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.ModuleTarget(shapes, emit=lambda *a, **k: None)
+
+
+@pytest.mark.parametrize(("learner", "sampler"), [("shm", "collective"), ("collective", "shm"), ("collective", "tcp")])
+def test_learner_and_sampler_on_different_transports_are_refused_naming_the_setting(sync_cfg, learner, sampler,
+                                                                                   caplog):
+    shapes = {"model.layers.0.w": [8, 16]}
+    pub_cfg = sync_cfg(transport=learner, collective_timeout_s=1.0)
+    sub_cfg = pub_cfg.model_copy(update={"transport": sampler, "catch_up_timeout_s": 5.0, "fetch_timeout_s": 1.0})
+    with WeightPublisher(pub_cfg, "mismatch") as pub:
+        pub.publish([("model.layers.0.w", torch.ones(8, 16))], 1)
+        subscriber = WeightSubscriber(sub_cfg, module_target(shapes), shapes)
+
+        async def follow() -> None:
+            await subscriber.start()
+            await asyncio.sleep(1.5)  # a collective sampler's relay asks to join meanwhile
+            await subscriber.stop()
+
+        asyncio.run(follow())
+    assert subscriber.target.weight_version == 0
+    assert any(f"weights.transport={learner}, this sampler's is '{sampler}'" in r for r in subscriber.rejected)
+    if sampler == "collective":
+        assert "this learner's weights.transport is 'shm'" in caplog.text
+
+
+def test_a_group_whose_peer_never_joins_fails_within_its_timeout():
+    sock = listen_socket("127.0.0.1")
+    t0 = time.monotonic()
+    with pytest.raises(CollectiveError, match="forming the weight group failed"):
+        PairGroup(0, "127.0.0.1", 0, 1.0, "127.0.0.1", listen=sock)
+    assert time.monotonic() - t0 < 5
