@@ -182,6 +182,11 @@ class EventProcess:
             pass
         return self.proc.returncode
 
+    def terminate(self) -> None:
+        """SIGTERM (a service that does not read stdin); `stop` then waits for it."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+
     def kill(self) -> None:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, 9)

@@ -26,7 +26,13 @@ from dataclasses import dataclass
 
 import torch
 
-from dgrpo.weights.collective_group import CollectiveError, PairGroup, listen_socket
+from dgrpo.weights.collective_group import (
+    WILDCARDS,
+    CollectiveError,
+    PairGroup,
+    listen_socket,
+    local_address_towards,
+)
 from dgrpo.weights.protocol import Announcement
 
 log = logging.getLogger(__name__)
@@ -52,8 +58,10 @@ class HostState:
 class HostLink:
     """The learner's end of one host's group: a thread that forms the group and sends versions until it fails."""
 
-    def __init__(self, sender: CollectiveSender, key: str, name: str, sock):
-        self.sender, self.key, self.name = sender, key, name
+    def __init__(self, sender: CollectiveSender, key: str, name: str, sock, address: str):
+        """`address`: where this end of the group listens (weights.bind_host, or the interface towards the relay
+        when that is a wildcard)."""
+        self.sender, self.key, self.name, self.address = sender, key, name, address
         self._sock = sock
         self._group: PairGroup | None = None
         self._stopped = threading.Event()
@@ -71,7 +79,7 @@ class HostLink:
         state = self.sender.hosts[self.key]
         version, floor = 0, 0
         try:
-            self._group = PairGroup(0, cfg.bind_host, 0, cfg.collective_timeout_s, cfg.bind_host, listen=self._sock)
+            self._group = PairGroup(0, self.address, 0, cfg.collective_timeout_s, self.address, listen=self._sock)
             log.info("weights: host %s joined (collective group, gloo); sending it version %d", self.name,
                      self.sender.latest_version())
             while not self._stopped.is_set():
@@ -151,8 +159,11 @@ class CollectiveSender:
         self._links: dict[str, HostLink] = {}
         self._closed = False
 
-    def join(self, key: str, name: str) -> int:
+    def join(self, key: str, name: str, relay_address: str = "") -> int:
         """A relay asks to join for host `key`: replace that host's earlier link, open a group; return its port."""
+        address = self.cfg.bind_host
+        if address in WILDCARDS and relay_address:
+            address = local_address_towards(relay_address, 9)
         sock = listen_socket(self.cfg.bind_host)
         with self.cond:
             if self._closed:
@@ -162,7 +173,7 @@ class CollectiveSender:
             state = self.hosts.setdefault(key, HostState(name))
             state.name, state.acked = name, 0  # a new relay: what the old one acknowledged says nothing of it
             state.joins += 1
-            link = HostLink(self, key, name, sock)
+            link = HostLink(self, key, name, sock, address)
             self._links[key] = link
         if old is not None:
             log.warning("weights: host %s has a new relay; dropping the previous one's group", name)

@@ -140,8 +140,8 @@ def fetch_request(version: int, slot: int) -> bytes:
     return pb.WeightControlRequest(protocol=PROTOCOL, fetch=fetch).SerializeToString()
 
 
-def join_request(host_key: str, host_name: str) -> bytes:
-    join = pb.JoinCollectiveRequest(host_key=host_key[:200], host_name=host_name[:200])
+def join_request(host_key: str, host_name: str, address: str) -> bytes:
+    join = pb.JoinCollectiveRequest(host_key=host_key[:200], host_name=host_name[:200], address=address[:100])
     return pb.WeightControlRequest(protocol=PROTOCOL, join=join).SerializeToString()
 
 

@@ -264,7 +264,7 @@ class WeightPublisher:
         if self._collective is None:
             raise ProtocolError(f"a relay asked to join a collective group, but this learner's weights.transport is "
                                 f"{self.cfg.transport!r} (learner and samplers must both use collective)")
-        port = self._collective.join(join.host_key, join.host_name)
+        port = self._collective.join(join.host_key, join.host_name, join.address)
         return protocol.group_reply(port, "gloo", self.cfg.collective_timeout_s)
 
     @property

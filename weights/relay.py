@@ -186,7 +186,7 @@ class HostRelay:
         sock.setsockopt(zmq.LINGER, 0)
         try:
             sock.connect(f"tcp://{self.cfg.host}:{self.cfg.control_port}")
-            sock.send_multipart(self._signer.seal([protocol.join_request(host_key(self.cfg), name)]))
+            sock.send_multipart(self._signer.seal([protocol.join_request(host_key(self.cfg), name, address)]))
             if not sock.poll(int(self.cfg.collective_timeout_s * 1000)):
                 raise ProtocolError(f"no answer in {self.cfg.collective_timeout_s:.0f}s")
             frames = self._signer.open(sock.recv_multipart(), "control reply")

@@ -2,6 +2,7 @@
 (tests/weights/test_collective.py): a `WeightPublisher` driven by JSON lines on stdin, reporting JSON events.
 
     python collective_learner.py --config '<WeightSyncConfig JSON>' --shapes '{"name": [rows, cols], ...}'
+    python collective_learner.py --config '<WeightSyncConfig JSON>' --model <HF folder>   # its weights, perturbed
     stdin:  {"publish": 3}                     -> {"event": "published", "version": 3, "nbytes": ..., "digests": {...}}
             {"wait_hosts": 3, "timeout": 30}   -> {"event": "hosts", "hosts": {...}} once every host acknowledged 3
                                                   (or the timeout passed; "hosts" says what each host has)
@@ -9,7 +10,8 @@
                                                   path (a publisher with weights.transport=shm), its manifest checksums
     a line "stop" or the end of stdin: close the publisher and exit 0.
 
-Published tensors hold small integers (exact in bf16), so a replica's per-tensor sums name the version it holds.
+Published tensors hold small integers (exact in bf16), so a replica's per-tensor sums name the version it holds;
+with --model, the model's fp32 weights plus 0.05 x N(0, 1) noise seeded by the version (for real vLLM replicas).
 """
 
 from __future__ import annotations
@@ -30,6 +32,19 @@ from dgrpo.weights.publisher import WeightPublisher
 def integer_weights(shapes: dict[str, list[int]], version: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(version)
     return {name: torch.randint(-100, 100, shape, generator=gen).float() for name, shape in shapes.items()}
+
+
+def model_weights(path: str):
+    from transformers import AutoModelForCausalLM
+
+    base = {k: v.detach().clone() for k, v in AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+            .state_dict().items()}
+
+    def make(version: int) -> dict[str, torch.Tensor]:
+        gen = torch.Generator().manual_seed(version)
+        return {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in base.items()}
+
+    return make
 
 
 def sums_of(tensors: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -54,11 +69,13 @@ def hosts_of(pub: WeightPublisher) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True)
-    parser.add_argument("--shapes", required=True)
+    parser.add_argument("--shapes", default="{}")
+    parser.add_argument("--model", default=None)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
     cfg = WeightSyncConfig.model_validate_json(args.config)
     shapes = json.loads(args.shapes)
+    make = (lambda v: integer_weights(shapes, v)) if args.model is None else model_weights(args.model)
     with WeightPublisher(cfg, "hosts", dtype="bfloat16") as pub:
         emit("ready")
         for line in sys.stdin:
@@ -67,7 +84,7 @@ def main() -> int:
             command = json.loads(line)
             if "publish" in command:
                 version = command["publish"]
-                tensors = integer_weights(shapes, version)
+                tensors = make(version)
                 stats = pub.publish(iter(tensors.items()), version)
                 emit("published", version=version, nbytes=stats.nbytes, sums=sums_of(tensors),
                      digests={t.name: t.xxh3 for t in pub.latest.manifest.tensors})
@@ -80,7 +97,7 @@ def main() -> int:
             elif "shm_digests" in command:
                 shm = WeightSyncConfig(transport="shm", announce_port=free_port(), control_port=free_port())
                 with WeightPublisher(shm, "hosts", dtype="bfloat16") as local:
-                    tensors = integer_weights(shapes, command["shm_digests"])
+                    tensors = make(command["shm_digests"])
                     local.publish(list(tensors.items()), command["shm_digests"])
                     emit("shm_digests", digests={t.name: t.xxh3 for t in local.latest.manifest.tensors})
     return 0

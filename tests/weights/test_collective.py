@@ -174,7 +174,7 @@ def test_link_down_mid_transfer_names_the_host_serves_nothing_torn_and_resumes(r
 
 @two_hosts
 def test_a_killed_relay_is_replaced_without_restarting_the_learner(run):
-    r = run()
+    r = run(bind_host="*")  # and a learner bound to every interface: its end of each group binds the one to the host
     r.publish(1)
     replicas = [r.replica(), r.replica()]
     for replica in replicas:

@@ -87,12 +87,14 @@ class WeightControlRequest(_message.Message):
     def __init__(self, protocol: _Optional[int] = ..., latest: _Optional[_Union[LatestWeightsRequest, _Mapping]] = ..., fetch: _Optional[_Union[FetchWeightsRequest, _Mapping]] = ..., join: _Optional[_Union[JoinCollectiveRequest, _Mapping]] = ...) -> None: ...
 
 class JoinCollectiveRequest(_message.Message):
-    __slots__ = ("host_key", "host_name")
+    __slots__ = ("host_key", "host_name", "address")
     HOST_KEY_FIELD_NUMBER: _ClassVar[int]
     HOST_NAME_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
     host_key: str
     host_name: str
-    def __init__(self, host_key: _Optional[str] = ..., host_name: _Optional[str] = ...) -> None: ...
+    address: str
+    def __init__(self, host_key: _Optional[str] = ..., host_name: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
 
 class CollectiveGroup(_message.Message):
     __slots__ = ("port", "backend", "timeout_s")
