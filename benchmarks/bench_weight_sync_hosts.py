@@ -11,8 +11,13 @@ the rounds, the raw TCP throughput from host a to host b is measured with one st
     ratio = end to end / (raw transfer of the version's bytes + vLLM reload_weights)      goal <= 1.3x
 
 `--link-mbit` caps the link with tc htb (e.g. 1000); the veth is otherwise as fast as this machine's cores.
+`--transport tcp --two-hosts` runs the same rounds with the tcp transport (one copy of the bytes per replica).
+`--light`: the replicas are the weight channel's test replicas (tests/weights/channel_peer.py: the real subscriber,
+relay and shm loading into a dict of torch tensors) instead of vLLM engines, so the transport alone is timed, on
+a fraction of the CPU; the anchor is then not measured.
 
     python benchmarks/bench_weight_sync.py --transport collective [--replicas 1|2] [--rounds 5] [--link-mbit 1000]
+                                           [--light]
 """
 
 from __future__ import annotations
@@ -73,6 +78,8 @@ def role_learner(cfg_json: str) -> None:
     with WeightPublisher(cfg, "bench", dtype="bfloat16") as pub:
         emit(event="ready")
         for line in sys.stdin:
+            if line.strip() == "stop":
+                break
             version = json.loads(line)["publish"]
             with torch.no_grad():
                 for p in state.values():
@@ -128,7 +135,7 @@ def run(args) -> None:
             hosts.cap_mbit(args.link_mbit)
         from dgrpo.weights.config import WeightSyncConfig
 
-        cfg = WeightSyncConfig(transport="collective", host=hosts.a.address, bind_host=hosts.a.address,
+        cfg = WeightSyncConfig(transport=args.transport, host=hosts.a.address, bind_host=hosts.a.address,
                                catch_up_timeout_s=60, fetch_timeout_s=300).model_dump_json()
         nbytes = 269_000_000
         sink = EventProcess(hosts.b.command([*me, "sink", str(nbytes)]), folder / "sink.log")
@@ -139,44 +146,73 @@ def run(args) -> None:
         for p in (source, sink):
             p.stop()
         learner = EventProcess(hosts.a.command([*me, "learner", cfg]), folder / "learner.log")
-        group = EventProcess(hosts.b.command([*me, "replicas", cfg, str(args.replicas)]), folder / "replicas.log")
+        if args.light:
+            peers = [EventProcess(hosts.b.command(light_replica(cfg)), folder / f"peer-{i}.log")
+                     for i in range(args.replicas)]
+        else:
+            group = EventProcess(hosts.b.command([*me, "replicas", cfg, str(args.replicas)]), folder / "replicas.log")
         try:
             learner.wait_for("ready", 600)
-            group.wait_for("ready", 900)
+            if not args.light:
+                group.wait_for("ready", 900)
             rows = []
             for version in range(1, args.rounds + 2):
                 learner.send({"publish": version})
                 published = learner.wait_for("published", 300, version=version)
-                group.send({"wait": version})
-                serving = group.wait_for("serving", 300, version=version)
-                group.send({"anchor": True})
-                anchor = group.wait_for("anchor", 300)["seconds"]
+                if args.light:
+                    done = [p.wait_for("recorded", 300, version=version)["at"] for p in peers]
+                    serving, anchor = {"done_at": max(done), "loads": []}, 0.0
+                else:
+                    group.send({"wait": version})
+                    serving = group.wait_for("serving", 300, version=version)
+                    group.send({"anchor": True})
+                    anchor = group.wait_for("anchor", 300)["seconds"]
                 if version > 1:  # the first round pays the group's formation and fresh mappings
                     rows.append((published, serving, anchor))
+            sent = hosts.a.tx_bytes()
         finally:
-            group.stop(120)
+            for p in peers if args.light else [group]:
+                p.stop(120)
             learner.stop(60)
-    report(args, rows, raw_gbps, folder)
+    report(args, rows, raw_gbps, folder, sent - nbytes)
 
 
-def report(args, rows, raw_gbps: float, folder: Path) -> None:
+def light_replica(cfg_json: str) -> list[str]:
+    """A channel_peer.py replica expecting the bundled model's tensors."""
+    from dgrpo.common.models import resolve_model_path
+    from dgrpo.weights.subscriber import checkpoint_shapes
+
+    shapes = checkpoint_shapes(resolve_model_path(None))
+    peer = HERE.parent / "tests" / "weights" / "channel_peer.py"
+    return [sys.executable, str(peer), "--config", cfg_json, "--shapes", json.dumps(shapes), "--no-sums"]
+
+
+def report(args, rows, raw_gbps: float, folder: Path, sent: int) -> None:
     med = statistics.median
     nbytes = rows[0][0]["nbytes"]
     raw_s = nbytes * 8 / raw_gbps / 1e9
     e2e = [s["done_at"] - p["start"] for p, s, _ in rows]
     ratios = [e / (raw_s + a) for e, (_, _, a) in zip(e2e, rows)]
-    print(f"\nweight sync across hosts, collective, {args.replicas} replica(s) on the remote host, "
+    kind = "test replicas (--light)" if args.light else "vLLM replicas"
+    print(f"\nweight sync across hosts, {args.transport}, {args.replicas} {kind} on the remote host, "
           f"{nbytes / 1e6:.0f} MB bf16 per version, link {args.link_mbit or 'uncapped'} Mbit/s, {len(rows)} rounds")
+    versions = len(rows) + 1
+    print(f"  bytes host a sent (besides the raw measurement): {sent / 1e6:.0f} MB for {versions} versions = "
+          f"{sent / versions / nbytes:.2f} x the version's bytes per version")
     print(f"  raw TCP a -> b, one stream, same run: {raw_gbps:.2f} Gbit/s -> {raw_s:.3f} s for one version")
     print(f"  learner write {med([p['write_s'] for p, _, _ in rows]):.3f} s")
-    for i in range(args.replicas):
+    for i in range(len(rows[0][1]["loads"])):
         parts = {k: med([s["loads"][i][k] for _, s, _ in rows]) for k in ("stage", "pause", "load", "total")}
         print(f"  replica {i}: stage {parts['stage']:.3f}  pause {parts['pause']:.3f}  load {parts['load']:.3f}  "
               f"= {parts['total']:.3f} after the host's index named the version")
-    print(f"  vLLM reload_weights (anchor, same rounds): median {med([a for _, _, a in rows]):.3f} s")
+    if not args.light:
+        print(f"  vLLM reload_weights (anchor, same rounds): median {med([a for _, _, a in rows]):.3f} s")
     print(f"  END TO END publish -> every remote replica serving: median {med(e2e):.3f} s "
           f"({', '.join(f'{e:.3f}' for e in e2e)})")
-    print(f"  / (raw transfer + vLLM reload): median {med(ratios):.2f}x  (goal <= 1.3x)")
+    if args.light:
+        print(f"  / raw transfer: median {med([e / raw_s for e in e2e]):.2f}x")
+    else:
+        print(f"  / (raw transfer + vLLM reload): median {med(ratios):.2f}x  (goal <= 1.3x)")
     print(f"  logs: {folder}")
 
 
