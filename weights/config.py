@@ -57,7 +57,8 @@ class WeightSyncConfig(StrictConfig):
     initial checkpoint and take versions as they are announced)."""
     fetch_timeout_s: float = Field(default=60.0, gt=0)
     """Bound on receiving one version's bytes: a tcp fetch, or a streamed write that makes no progress that long
-    (the learner died mid-write: the sampler then goes back to the version it had)."""
+    (the learner died mid-write: the sampler then goes back to the version it had); collective: how long a starting
+    replica waits for its host's relay to hold the learner's latest version before it serves what it has."""
     collective_timeout_s: float = Field(default=30.0, gt=0, le=3600)
     """collective: bound on every step of a host's group (forming it, each chunk of a version, each acknowledgement,
     the keep-alive sent every third of it while idle). A host that exceeds it is logged by name, its group is torn
