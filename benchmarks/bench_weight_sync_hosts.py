@@ -160,7 +160,7 @@ def run(args) -> None:
                 learner.send({"publish": version})
                 published = learner.wait_for("published", 300, version=version)
                 if args.light:
-                    done = [p.wait_for("recorded", 300, version=version)["at"] for p in peers]
+                    done = [p.wait_for("serving", 300, version=version)["at"] for p in peers]
                     serving, anchor = {"done_at": max(done), "loads": []}, 0.0
                 else:
                     group.send({"wait": version})

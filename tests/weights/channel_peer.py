@@ -128,11 +128,11 @@ class ModuleTarget:
 
     def set_version(self, version: int) -> None:
         self._version = version
-        self.emit("recorded", version=version, at=time.perf_counter())  # before the sums: what a benchmark times
+        at = time.perf_counter()  # before the sums: when a benchmark's version started serving
         if self.report_sums:
-            self.emit("serving", version=version, sums=self.sums(), digests=self.digests())
+            self.emit("serving", version=version, at=at, sums=self.sums(), digests=self.digests())
         else:
-            self.emit("serving", version=version)
+            self.emit("serving", version=version, at=at)
 
     def _copy(self, reader: SlotReader, verify: bool) -> None:
         with torch.no_grad():
