@@ -121,18 +121,21 @@ class EventProcess:
     """A process that prints one JSON event per line on stdout; `wait_for` reads them (all stay in `events`).
     `send(obj)` writes one JSON line to its stdin; closing stdin (`stop`) asks it to end."""
 
-    def __init__(self, argv: list[str], log_path: Path, env: dict[str, str] | None = None):
+    def __init__(self, argv: list[str], log_path: Path, env: dict[str, str] | None = None, events: bool = True):
+        """`events=False`: a service that prints no events; its stdout goes to the log with its stderr."""
         self.log_path = log_path
         with open(log_path, "w") as log:
-            self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
-                                         env={**os.environ, **(env or {})}, start_new_session=True)
+            self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE if events else log,
+                                         stderr=log if events else subprocess.STDOUT, text=True,
+                                         env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+                                         start_new_session=True)
         self.events: list[dict] = []
         self._lines: queue.Queue[str | None] = queue.Queue()
         self._returned: set[int] = set()
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
-        for line in self.proc.stdout:
+        for line in self.proc.stdout or ():
             if line.startswith("{"):
                 self._lines.put(line)
         self._lines.put(None)

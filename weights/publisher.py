@@ -170,8 +170,8 @@ class WeightPublisher:
         t2 = time.perf_counter()
         stats = PublishStats(version, slot, written.nbytes, len(written.manifest.tensors),
                              write_s=t1 - t0, announce_s=t2 - t1, total_s=t2 - t0)
-        log.info("published weights v%d to slot %d: %.1f MB in %.3fs (%.1f GB/s)", version, slot,
-                 stats.nbytes / 1e6, stats.total_s, stats.write_gbps)
+        log.info("published weights v%d to slot %d: %.1f MB in %.3fs (%.1f GB/s), manifest %016x", version, slot,
+                 stats.nbytes / 1e6, stats.total_s, stats.write_gbps, announcement.manifest_xxh3)
         return stats
 
     def _announcement(self, version: int, slot: int, written: WrittenSlot, streaming: bool = False) -> Announcement:

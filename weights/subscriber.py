@@ -331,8 +331,8 @@ class WeightSubscriber:
             self.last_stats = LoadStats(ref.version, ann.nbytes, ref.streamed, fetch_s, t1 - t0 - fetch_s, pause_s,
                                         t3 - t2, t4 - t3, t4 - t0, done_at)
             log.info("loaded weight version %d (%.1f MB%s) in %.3fs: fetch %.3f stage %.3f pause %.3f load %.3f "
-                     "resume %.3f", ref.version, ann.nbytes / 1e6, ", streamed" if ref.streamed else "", t4 - t0,
-                     fetch_s, t1 - t0 - fetch_s, pause_s, t3 - t2, t4 - t3)
+                     "resume %.3f; manifest %016x", ref.version, ann.nbytes / 1e6, ", streamed" if ref.streamed else "",
+                     t4 - t0, fetch_s, t1 - t0 - fetch_s, pause_s, t3 - t2, t4 - t3, ann.manifest_xxh3)
             return True
 
     async def _stage(self, ann: Announcement) -> tuple[SlotRef, float] | None:

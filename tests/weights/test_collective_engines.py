@@ -43,7 +43,8 @@ def sampler(hosts: TwoHosts, model: Path, cfg: WeightSyncConfig, port: int, log:
         f"weights.control_port={cfg.control_port}", "weights.catch_up_timeout_s=60", "weights.fetch_timeout_s=120",
         f"weights.collective_timeout_s={cfg.collective_timeout_s}",
     ]
-    return EventProcess(hosts.b.command([sys.executable, "-m", "dgrpo.cli", "sampler", *overrides]), log)
+    return EventProcess(hosts.b.command([sys.executable, "-m", "dgrpo.cli", "sampler", *overrides]), log,
+                        events=False)
 
 
 def wait_log(proc: EventProcess, text: str, timeout: float) -> None:
