@@ -44,7 +44,9 @@ log = logging.getLogger(__name__)
 ELECTION_POLL_S = 0.5
 """How often a replica that is not the relay tries the host's lock (how soon it takes over from a dead relay)."""
 REJOIN_PAUSE_S = 1.0
-"""Pause between attempts to rejoin the learner after the group failed."""
+MAX_REJOIN_PAUSE_S = 8.0
+"""Pause before rejoining the learner after the group failed, doubling per failure in a row up to the maximum (a
+learner that refuses, e.g. another weights.transport, is asked again every 8 s, not flooded)."""
 
 
 def host_files(cfg: WeightSyncConfig) -> tuple[Path, Path]:
@@ -160,9 +162,11 @@ class HostRelay:
         return None
 
     def _relay(self) -> None:
+        failures = 0
         while not self._stop.is_set():
             try:
                 self._group = self._join()
+                failures = 0  # joined: a later failure is a new outage
                 self._receive()
             except CollectiveError as e:
                 if not self._stop.is_set():
@@ -175,7 +179,8 @@ class HostRelay:
                 if self._group is not None:
                     self._group.abort()
                     self._group = None
-            self._stop.wait(REJOIN_PAUSE_S)
+            failures += 1
+            self._stop.wait(min(REJOIN_PAUSE_S * 2 ** (failures - 1), MAX_REJOIN_PAUSE_S))
 
     def _join(self) -> PairGroup:
         """Ask the learner for this host's group (control socket, signed like every request), then join it."""
