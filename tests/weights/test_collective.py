@@ -252,3 +252,21 @@ def test_a_group_whose_peer_never_joins_fails_within_its_timeout():
     with pytest.raises(CollectiveError, match="forming the weight group failed"):
         PairGroup(0, "127.0.0.1", 0, 1.0, "127.0.0.1", listen=sock)
     assert time.monotonic() - t0 < 5
+
+
+def test_a_host_index_that_is_not_an_announcement_is_ignored_and_logged(tmp_path, caplog):
+    from dgrpo.weights import protocol
+    from dgrpo.weights.relay import HostIndex
+
+    path = tmp_path / "dgrpo-relay-x.ann"
+    index = HostIndex(path)
+    assert index.changed() is None  # no relay has written one yet
+    path.write_bytes(b"\x00garbage")
+    assert index.changed() is None and "is not a weight announcement" in caplog.text
+    manifest = protocol.Manifest(run_id="r", version=3, dtype="bfloat16")
+    manifest.tensors.add(name="w", dtype="bfloat16", shape=[2], offset=4096, nbytes=4, xxh3=1)
+    ann = protocol.announcement("r", 3, slot=1, seq=4, transport=protocol.TRANSPORTS["shm"],
+                                segment="dgrpo-w-r-1-2-s1", nbytes=4200, manifest=manifest)
+    path.write_bytes(ann.SerializeToString())
+    assert index.changed().version == 3
+    assert index.changed() is None  # unchanged since
