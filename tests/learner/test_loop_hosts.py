@@ -27,9 +27,9 @@ def service(hosts: TwoHosts, command: str, overrides: list[str], log: Path) -> E
     return EventProcess(hosts.b.command([sys.executable, "-m", "dgrpo.cli", command, *overrides]), log, events=False)
 
 
-def wait_ready(proc: EventProcess, timeout: float = 600) -> None:
+def wait_ready(proc: EventProcess, marker: str, timeout: float = 600) -> None:
     deadline = time.monotonic() + timeout
-    while "DGRPO_READY" not in proc.logs():
+    while marker not in proc.logs():
         if proc.proc.poll() is not None or time.monotonic() > deadline:
             raise AssertionError(f"{proc.log_path.name} not ready:\n{proc.logs()[-5000:]}")
         time.sleep(0.5)
@@ -53,8 +53,9 @@ def test_four_steps_with_samplers_on_another_host(tiny_model, tmp_path):
             for i, port in enumerate((50061, 50062))]
         procs = [rewarder, *samplers]
         try:
-            for proc in procs:
-                wait_ready(proc)
+            wait_ready(rewarder, "rewarder SERVING")
+            for proc in samplers:
+                wait_ready(proc, "DGRPO_READY")
             rows = [{"prompt": f"What is {x}+{y}?", "answer": str(x + y)} for x in range(4) for y in range(4)]
             (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
             config = {
