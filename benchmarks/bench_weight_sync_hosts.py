@@ -23,6 +23,7 @@ a fraction of the CPU; the anchor is then not measured.
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import statistics
 import sys
@@ -218,6 +219,8 @@ def report(args, rows, raw_gbps: float, folder: Path, sent: int) -> None:
 
 def main() -> None:
     role = sys.argv[1] if len(sys.argv) > 1 else ""
+    if role in ("learner", "replicas"):  # the weight channel's timings (relay receive, loads) in the role's log
+        logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
     if role == "sink":
         role_sink(int(sys.argv[2]))
     elif role == "source":
