@@ -9,8 +9,6 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
-import queue
-import subprocess
 import sys
 import threading
 import time
@@ -18,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hosts_support import EventProcess
 
 from dgrpo.v1 import weights_pb2 as pb
 from dgrpo.weights import protocol
@@ -47,67 +46,27 @@ def publish(pub: WeightPublisher, version: int, seed: int = 0) -> dict[str, floa
     return sums_of(tensors)
 
 
-class Peer:
-    """One channel_peer.py process, started ahead and waiting for its arguments (`launch`); `wait_for` reads its
-    events (all of them stay in `events`)."""
+class Peer(EventProcess):
+    """One channel_peer.py process, started ahead and waiting for its arguments (`launch`); its JSON events are
+    read as every simulated-host test reads them (tests/hosts_support.py)."""
 
     def __init__(self, log_path: Path):
-        self.log_path = log_path
-        with open(log_path, "w") as log:
-            self.proc = subprocess.Popen([sys.executable, str(PEER), "--argv-from-stdin"], stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE, stderr=log, text=True)
+        super().__init__([sys.executable, str(PEER), "--argv-from-stdin"], log_path)
         self.pid = self.proc.pid
-        self.events: list[dict] = []
-        self._lines: queue.Queue[str | None] = queue.Queue()
-        self._returned: set[int] = set()
-        threading.Thread(target=self._read, daemon=True).start()
 
     def launch(self, cfg, **hooks: float) -> Peer:
         argv = ["--config", cfg.model_dump_json(), "--shapes", json.dumps(SHAPES)]
         for name, value in hooks.items():
             argv += [f"--{name.replace('_', '-')}", str(value)]
-        self.proc.stdin.write(json.dumps(argv) + "\n")
-        self.proc.stdin.flush()
+        self.send(argv)
         return self
 
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self._lines.put(line)
-        self._lines.put(None)
-
-    def _pull(self, timeout: float) -> bool:
-        """Read one more event into `events`; False on timeout or once the peer's stdout ended."""
-        try:
-            line = self._lines.get(timeout=max(timeout, 0.0))
-        except queue.Empty:
-            return False
-        if line is None:
-            self._lines.put(None)  # stays the last item
-            return False
-        self.events.append(json.loads(line))
-        return True
-
     def wait_for(self, event: str, timeout: float = TIMEOUT_S, **fields) -> dict:
-        """The first event named `event` (with `fields`) that no earlier call returned."""
-        deadline = time.monotonic() + timeout
-        while True:
-            for i, e in enumerate(self.events):
-                if i not in self._returned and e["event"] == event and all(e.get(k) == v for k, v in fields.items()):
-                    self._returned.add(i)
-                    return e
-            if not self._pull(deadline - time.monotonic()):
-                raise AssertionError(f"no {event} {fields} from the peer (exit status {self.proc.poll()}); events "
-                                     f"{self.events}\nlog:\n{self.log_path.read_text()[-4000:]}")
+        return super().wait_for(event, timeout, **fields)
 
     def stop(self) -> int:
         """Ask the peer to stop; its exit status once every event is read."""
-        if self.proc.poll() is None:
-            self.proc.stdin.write("stop\n")
-            self.proc.stdin.flush()
-        rc = self.proc.wait(TIMEOUT_S)
-        while self._pull(1):
-            pass
-        return rc
+        return super().stop(TIMEOUT_S)
 
     def served(self) -> list[int]:
         return [e["version"] for e in self.events if e["event"] == "serving"]
