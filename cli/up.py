@@ -41,6 +41,7 @@ from tqdm import tqdm
 
 from dgrpo.cli import procs
 from dgrpo.cli.hang_watch import HangWatch
+from dgrpo.common import devices
 from dgrpo.common.auth import TOKEN_ENV
 from dgrpo.common.config import ConfigError, load_config, to_yaml
 from dgrpo.common.preflight import check_folder, pick_free_ports
@@ -455,11 +456,19 @@ def run(args) -> int:
     return code
 
 
+def _own_cores(cfg, index: int, replicas: int) -> list[str]:
+    """Replicas on this host get cores of their own unless the config lists cores: under `auto` vLLM binds every
+    replica to the same cores, under `all` each binds every core. The setting only applies on CPU
+    (sampler/server.py)."""
+    cores = devices.replica_cpu_cores(index, replicas) if cfg.sampler.cpu_cores in ("auto", "all") else None
+    return [f"sampler.cpu_cores='{cores}'"] if cores else []  # quoted: a lone core number is YAML's int
+
+
 def _train(stack: Stack, cfg, args, run_dir: Path, sampler_ports, rewarder_port, interrupted: dict) -> int:
     """Start the services, run the learner under supervision; returns `up`'s exit code."""
     rewarder = stack.start(Service("rewarder", "rewarder", [], rewarder_port))
-    samplers = [stack.start(Service(f"sampler-{i}", "sampler",
-                                    [f"sampler.port={p}", f"sampler.replica_id=sampler-{i}"], p))
+    samplers = [stack.start(Service(f"sampler-{i}", "sampler", [f"sampler.port={p}", f"sampler.replica_id=sampler-{i}",
+                                                                *_own_cores(cfg, i, len(sampler_ports))], p))
                 for i, p in enumerate(sampler_ports)]
     for svc in [rewarder, *samplers]:
         stack.wait_serving(svc, args.start_timeout)

@@ -106,6 +106,22 @@ def cpu_thread_binding(cores: str) -> dict[str, str]:
     return {"VLLM_CPU_OMP_THREADS_BIND": cores, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 
 
+def replica_cpu_cores(index: int, replicas: int, cores: list[int] | None = None) -> str | None:
+    """The cores replica `index` of `replicas` on one CPU host binds (a sampler.cpu_cores list), or None for one
+    replica. Under `auto` every vLLM-CPU instance picks the same cores (under `all`, every core), so replicas started
+    side by side pin their compute threads onto the same cores and a restarted replica's worker was seen waiting
+    10 minutes there behind its busy sibling;
+    vLLM's CPU guide gives each instance its own VLLM_CPU_OMP_THREADS_BIND instead. Contiguous equal shares, or one
+    core each in turn when there are more replicas than cores."""
+    if replicas < 2:
+        return None
+    cores = sorted(os.sched_getaffinity(0)) if cores is None else cores
+    if len(cores) < replicas:
+        return str(cores[index % len(cores)])
+    share = len(cores) // replicas
+    return ",".join(str(c) for c in cores[index * share:(index + 1) * share])
+
+
 VLLM_CPU_BATCHED_TOKENS = 4096
 """vLLM-CPU's own default token budget per engine step (its LLM class)."""
 

@@ -80,6 +80,15 @@ def test_sampler_cpu_core_binding():
         SamplerConfig(cpu_cores="most")
 
 
+def test_replicas_on_one_cpu_host_get_cores_of_their_own():
+    assert devices.replica_cpu_cores(0, 1, [0, 1]) is None  # one replica: vLLM's own binding
+    assert [devices.replica_cpu_cores(i, 2, [0, 1]) for i in range(2)] == ["0", "1"]
+    assert [devices.replica_cpu_cores(i, 2, [0, 1, 2, 3, 4]) for i in range(2)] == ["0,1", "2,3"]
+    assert [devices.replica_cpu_cores(i, 3, [4, 5]) for i in range(3)] == ["4", "5", "4"]  # more replicas than cores
+    for i in range(2):  # every binding is one `dgrpo sampler` accepts
+        SamplerConfig(cpu_cores=devices.replica_cpu_cores(i, 2))
+
+
 def test_cpu_samplers_do_not_split_prefills_unless_asked():
     # Unset on CPU: off, with a budget that holds a whole max_model_len; seeds are safe.
     assert devices.sampler_prefill("cpu", None, None, 1024) == (False, 4096, True)

@@ -21,6 +21,7 @@ import yaml
 from up_support import SWAPPED_SPEC, listener_pid, stop_up, up_command, wait_for
 
 from dgrpo.cli import procs
+from dgrpo.common import devices
 from dgrpo.v1 import rewarder_pb2, rewarder_pb2_grpc
 
 pytestmark = pytest.mark.slow
@@ -113,8 +114,12 @@ def test_killed_sampler_and_rewarder_are_restarted_and_training_goes_on(tiny_mod
     assert spec_versions == sorted(spec_versions) and spec_versions[-1] > spec_versions[swapped_at - 1]
     assert (tmp_path / "ckpt").is_dir() and list((tmp_path / "ckpt").glob("step_*"))  # the Ctrl-C checkpoint
     # Both replicas loaded the last published version before the learner let its weight slots go.
-    for replica in ("sampler-0", "sampler-1"):
-        assert f"loaded weight version {steps[-1]}" in (run_dir / "logs" / f"{replica}.log").read_text(), replica
+    for i, replica in enumerate(("sampler-0", "sampler-1")):
+        replica_log = (run_dir / "logs" / f"{replica}.log").read_text()
+        assert f"loaded weight version {steps[-1]}" in replica_log, replica
+        # Cores of its own (vLLM's `auto` binds every replica to the same core), in its first start and its restart.
+        own = devices.replica_cpu_cores(i, 2)
+        assert replica_log.count(f"VLLM_CPU_OMP_THREADS_BIND='{own}'") == (2 if replica == "sampler-0" else 1)
     assert "swapped" in (run_dir / "logs" / "rewarder.log").read_text()
     # The report of the steps that ran; everything stopped; no weight segment left in /dev/shm.
     assert (run_dir / "report.png").stat().st_size > 10_000
