@@ -30,14 +30,19 @@ def ensure_token(path: Path) -> str:
         return "kept"
     else:
         token, source = secrets.token_urlsafe(32), "generated"
+    write_token(path, token)
+    return source
+
+
+def write_token(path: Path, token: str) -> None:
+    """`token` into `path`, owner-only from the first byte, and whole: a reader never sees a partial file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(token + "\n")
-    os.chmod(tmp, 0o600)
+    os.chmod(tmp, 0o600)  # an existing file keeps its old mode through O_CREAT
     os.replace(tmp, path)
-    return source
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -501,11 +501,10 @@ def _run_token(path: Path) -> str:
     """A fresh token for this run, kept owner-only at `path` for clients such as grpcurl."""
     import secrets
 
+    from dgrpo.cli.token import write_token
+
     token = secrets.token_urlsafe(32)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(token + "\n")
-    os.chmod(path, 0o600)  # an existing file keeps its old mode through O_CREAT
+    write_token(path, token)
     return token
 
 
