@@ -5,14 +5,14 @@ with today's default (lockstep, sampler and learner sharing both cores) for refe
     python benchmarks/bench_async.py                        # 30 steps; k = 0, 1, 2 x seeds 0, 1; the reference
     python benchmarks/bench_async.py --steps 8 --ks 0 1 --seeds 0 --no-reference     # a quick look
 
-Each run starts its own rewarder, sampler and learner (`dgrpo` commands on configs/cpu-demo.yaml and the demo
-task; the learner in bf16 autocast unless --learner-dtype float32), so nothing else may run meanwhile: the figures are ratios within one invocation. Printed per run: steps
-per hour (from the learner's own step times, validation and start-up excluded), the sampler's busy fraction (its
-seconds with a group in flight, from SamplerInfo.busy_seconds, over the training wall time), the learner's busy
-fraction (train + logprob + weight sync over its step time), mean reward of the first and last five steps. Then
-the k >= 1 speed-ups over k = 0 next to the goal (k = 1: >= 1.6x), the pipeline model's prediction
-(benchmarks/pipeline_model.py) from the k = 0 runs' phase times, and one plot of reward per step and reward over
-wall-clock time for every run (--plot). Results also go to --out as JSON.
+Each run starts its own rewarder, sampler and learner (`dgrpo` commands on configs/cpu-demo.yaml and the demo task; the
+learner in bf16 autocast unless --learner-dtype float32), so nothing else may run meanwhile: the figures are ratios
+within one invocation. Printed per run: steps per hour (from the learner's own step times, validation and start-up
+excluded), the sampler's busy fraction (its seconds with a group in flight, from SamplerInfo.busy_seconds, over the
+training wall time), the learner's busy fraction (train + logprob + weight sync over its step time), mean reward of the
+first and last five steps. Then the k >= 1 speed-ups over k = 0 next to the goal (k = 1: >= 1.6x), the pipeline model's
+prediction (benchmarks/pipeline_model.py) from the k = 0 runs' phase times, and one plot of reward per step and reward
+over wall-clock time for every run (--plot). Results also go to --out as JSON.
 """
 
 from __future__ import annotations
@@ -70,6 +70,18 @@ def _free_ports(n: int) -> list[int]:
     from dgrpo.common.preflight import pick_free_ports
 
     return pick_free_ports(n)
+
+
+def stop_processes(procs: list[subprocess.Popen], timeout: float = 60) -> None:
+    """SIGTERM to each process still running, then wait for each (SIGKILL after `timeout`)."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 def _wait_serving(port: int, proc: subprocess.Popen, timeout: float = 600) -> None:
@@ -147,14 +159,7 @@ def run_one(run: Run, steps: int, work: Path) -> Run:
             raise RuntimeError(f"{run.name}: the learner exited with {learner.returncode} (log {run_dir})")
         busy = _busy_seconds(sampler_port) - busy0
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_processes(procs)
         for f in logs.values():
             f.close()
     records = [json.loads(line) for line in (run_dir / run.name / "metrics.jsonl").read_text().splitlines()]

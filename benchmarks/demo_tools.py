@@ -1,12 +1,12 @@
 """Demo of multi-turn rollouts with a calculator (issue 16): reward and tool-call rate per step, with and without tools.
 
 Task: 3-digit x 2-digit multiplication (the bundled SmolLM2-135M-Instruct alone is right a few percent of the time).
-Every prompt is the question after two worked examples. The same questions, seeds and settings
-(configs/tools-demo.yaml) run twice with `dgrpo up`: with learner.rollout.multi_turn.enable=true, the examples call
-the calculator (the sampler injects its schema and runs the calls in the sandbox); with it false, the examples
-answer directly. Without examples the 135M model never wrote a well-formed call (0 of 320 samples); after two, 27 of
-64 first turns were a well-formed calculator call (many with the wrong argument name), enough for GRPO to work on. Prints reward/mean and multi_turn/tool_call_rate per step, and the mean of the first and last
-steps of each run.
+Every prompt is the question after two worked examples. The same questions, seeds and settings (configs/tools-demo.yaml)
+run twice with `dgrpo up`: with learner.rollout.multi_turn.enable=true, the examples call the calculator (the sampler
+injects its schema and runs the calls in the sandbox); with it false, the examples answer directly. Without examples the
+135M model never wrote a well-formed call (0 of 320 samples); after two, 27 of 64 first turns were a well-formed
+calculator call (many with the wrong argument name), enough for GRPO to work on. Prints reward/mean and
+multi_turn/tool_call_rate per step, and the mean of the first and last steps of each run.
 
     python benchmarks/demo_tools.py [--steps 10]      # both runs, ~10-20 min on 2 CPU cores
     python benchmarks/demo_tools.py --write-only       # only data/mdmul-*.parquet and data/calculator-tools.yaml

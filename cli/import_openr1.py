@@ -11,8 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 # open-r1's registry name -> its function in open_r1.rewards (the ones built without arguments).
-OPEN_R1_FUNCTIONS = {"accuracy": "accuracy_reward", "format": "format_reward", "reasoning_steps": "reasoning_steps_reward",
-                     "length": "len_reward", "tag_count": "tag_count_reward"}
+OPEN_R1_FUNCTIONS = {"accuracy": "accuracy_reward", "format": "format_reward",
+                     "reasoning_steps": "reasoning_steps_reward", "length": "len_reward",
+                     "tag_count": "tag_count_reward"}
 
 SAME: dict[str, Any] = {
     "model_revision": ("main",), "torch_dtype": ("bfloat16", "auto"), "attn_implementation": None,
@@ -61,6 +62,6 @@ def open_r1(flat: dict[str, Any], out: Any, used: set[str]) -> None:
         out.unsupported["reward_funcs"] = why
         return
     functions = [{"type": "file", "module": f"open_r1.rewards:{OPEN_R1_FUNCTIONS[n]}", "name": n, "weight": float(w)}
-                 for n, w in zip(names, weights)]
+                 for n, w in zip(names, weights, strict=True)]
     out.set("rewarder.spec", {"name": "open_r1", "functions": functions},
             "reward_funcs, reward_weights (open-r1's own functions: install open-r1 next to the rewarder)")

@@ -21,13 +21,14 @@ if TYPE_CHECKING:
 def _sampler(cfg: StackConfig) -> int:
     from dgrpo.sampler.server import main
 
-    return main(cfg.model, cfg.sampler, cfg.weights, cfg.auth, cfg.learner.rollout.multi_turn)
+    return main(cfg.model, cfg.sampler, cfg.weights, cfg.auth, cfg.learner.rollout.multi_turn, cfg.tracing,
+                cfg.learner.lora)
 
 
 def _rewarder(cfg: StackConfig) -> int:
     from dgrpo.rewarder.server import main
 
-    return main(cfg.rewarder, cfg.auth)
+    return main(cfg.rewarder, cfg.auth, cfg.tracing)
 
 
 def _learner(cfg: StackConfig) -> int:
@@ -41,16 +42,15 @@ def _show_config(cfg: StackConfig) -> int:
     return 0
 
 
-SERVICES = ("sampler", "rewarder", "learner")
 # Commands that drive the whole stack also run StackConfig.check_whole_stack().
 WHOLE_STACK = {"learner"}
 # command -> (one-line purpose, config sections shown in --help, what runs it with the StackConfig)
 COMMANDS: dict[str, tuple[str, tuple[str, ...], Callable[[StackConfig], int]]] = {
-    "sampler": ("serve one sampler replica (vLLM engine over gRPC)", ("model", "sampler", "weights", "auth"),
-                _sampler),
-    "rewarder": ("serve the reward service", ("rewarder", "auth"), _rewarder),
+    "sampler": ("serve one sampler replica (vLLM engine over gRPC)",
+                ("model", "sampler", "weights", "auth", "tracing"), _sampler),
+    "rewarder": ("serve the reward service", ("rewarder", "auth", "tracing"), _rewarder),
     "learner": ("run GRPO training, driving samplers and rewarder",
-                ("model", "learner", "sampler", "weights", "auth"), _learner),
+                ("model", "learner", "sampler", "weights", "auth", "tracing"), _learner),
     "show-config": ("print the fully resolved configuration as YAML", (), _show_config),
 }
 
@@ -125,11 +125,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"dgrpo {args.command}: {e}", file=sys.stderr)
         return 2
-    if args.command in SERVICES:  # the same checks as `dgrpo doctor`, for this service: refuse to start on a FAIL
-        from dgrpo.common.doctor import report_failures, startup_failures
+    from dgrpo.common.doctor import SERVICES, report_failures, startup_failures
 
-        if report_failures(f"dgrpo {args.command}", startup_failures(cfg, (args.command,))):
-            return 2
+    # The same checks as `dgrpo doctor`, for this service: refuse to start on a FAIL.
+    if args.command in SERVICES and report_failures(f"dgrpo {args.command}", startup_failures(cfg, (args.command,))):
+        return 2
     try:
         return int(COMMANDS[args.command][2](cfg) or 0)
     except (ConfigError, FileNotFoundError) as e:  # bad paths surface at start, as one clear line

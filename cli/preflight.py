@@ -17,6 +17,7 @@ import yaml
 
 from dgrpo.cli.stack import StackConfig
 from dgrpo.common import preflight as pf
+from dgrpo.common import tracing
 from dgrpo.common.config import ConfigError, parse_override
 from dgrpo.learner.data import check_files
 from dgrpo.learner.main import learner_bindings, output_needs
@@ -118,7 +119,8 @@ def assign_ports(cfg: StackConfig, given: set[str], samplers: int) -> StackPorts
         rewarder_port = port
 
     learner_keys = {"learner.trainer.control_port": cfg.learner.trainer.control_port,
-                    "weights.announce_port": cfg.weights.announce_port, "weights.control_port": cfg.weights.control_port}
+                    "weights.announce_port": cfg.weights.announce_port,
+                    "weights.control_port": cfg.weights.control_port}
     mine = [k for k in learner_keys if not covers(given, k)]
     user_ports = {p for p in [*sampler_ports, rewarder_port] if p}
     user_ports |= {p for k, p in learner_keys.items() if k not in mine and p}
@@ -139,7 +141,7 @@ def assign_ports(cfg: StackConfig, given: set[str], samplers: int) -> StackPorts
     if not covers(given, "learner.rollout.rewarder_address"):
         out.append(f"learner.rollout.rewarder_address=127.0.0.1:{rewarder_port}")
     out += [f"{key}={next(picked)}" for key in mine]
-    keys = {p: k for p, k in zip(sampler_ports, sampler_keys)}
+    keys = {p: k for p, k in zip(sampler_ports, sampler_keys, strict=True)}
     keys[rewarder_port] = "rewarder.port" if covers(given, "rewarder.port") or covers(
         given, "learner.rollout.rewarder_address") else "rewarder.port (picked by dgrpo up)"
     return StackPorts(sampler_ports, rewarder_port, out, keys)
@@ -162,9 +164,9 @@ def stack_bindings(cfg: StackConfig, ports: StackPorts) -> list[pf.Binding]:
             raise ConfigError(f"sampler.metrics_port={cfg.sampler.metrics_port}: each of the "
                               f"{len(ports.sampler_ports)} replicas would bind it; leave it unset (or 0: any free "
                               "port) with dgrpo up --samplers > 1")
-        out.append(("sampler.metrics_port", cfg.sampler.host, cfg.sampler.metrics_port))
+        out.append(("sampler.metrics_port", cfg.sampler.metrics_host, cfg.sampler.metrics_port))
     if cfg.rewarder.metrics_port:
-        out.append(("rewarder.metrics_port", cfg.rewarder.host, cfg.rewarder.metrics_port))
+        out.append(("rewarder.metrics_port", cfg.rewarder.metrics_host, cfg.rewarder.metrics_port))
     return out + learner_bindings(cfg.learner_run())
 
 
@@ -180,5 +182,6 @@ def preflight_stack(cfg: StackConfig, ports: StackPorts) -> None:
     """Everything `dgrpo up` can check before it starts a service (each raises ConfigError naming the key)."""
     check_files(cfg.learner.data, columns=reward_columns(cfg))
     check_loggers(cfg.learner.trainer.loggers)
+    tracing.check(cfg.tracing)
     check_outputs(cfg)
     pf.check_ports(stack_bindings(cfg, ports))

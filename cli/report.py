@@ -54,12 +54,14 @@ def format_table(summary: dict[str, float], window: int = 5) -> str:
     rows = [("steps", f"{summary['steps']:.0f}")]
     if "reward_first" in summary:
         rows += [
-            (f"mean reward, first {window} steps", f"{summary['reward_first']:.3f} (±{summary['reward_first_std']:.3f})"),
+            (f"mean reward, first {window} steps",
+             f"{summary['reward_first']:.3f} (±{summary['reward_first_std']:.3f})"),
             (f"mean reward, last {window} steps", f"{summary['reward_last']:.3f}"),
             ("change", f"{summary['reward_gain']:+.3f}"),
         ]
     if "val_first" in summary:
-        rows += [("greedy validation reward, first -> last", f"{summary['val_first']:.3f} -> {summary['val_last']:.3f}")]
+        rows += [("greedy validation reward, first -> last",
+                  f"{summary['val_first']:.3f} -> {summary['val_last']:.3f}")]
     if "step_s_median" in summary:
         rows += [("seconds per step (median)", f"{summary['step_s_median']:.1f}")]
         phases = [(p, summary[f"time_{p}_s"]) for p in PHASES if f"time_{p}_s" in summary]
@@ -92,7 +94,8 @@ def plot(train: list[dict], val: list[dict], out: Path) -> Path:
     kl = [r.get("actor/kl", 0.0) for r in train]
     axes[0][1].plot(steps, kl, ".-")
     # beta = 0 skips the reference model entirely: say so rather than draw a flat line that reads as "no drift".
-    axes[0][1].set_title("KL to reference (k3, mean per token)" if any(kl) else "KL to reference: not computed (beta = 0)")
+    axes[0][1].set_title("KL to reference (k3, mean per token)" if any(kl) else
+                         "KL to reference: not computed (beta = 0)")
     axes[1][0].plot(steps, [r.get("response/length_mean", float("nan")) for r in train], ".-")
     axes[1][0].set_title("response length (tokens, mean)")
     bottom = [0.0] * len(train)
@@ -101,7 +104,7 @@ def plot(train: list[dict], val: list[dict], out: Path) -> Path:
         values = [r.get(f"time/{phase}_s", 0.0) for r in train]
         if any(values):
             ax.bar(steps, values, bottom=bottom, label=phase)
-            bottom = [b + v for b, v in zip(bottom, values)]
+            bottom = [b + v for b, v in zip(bottom, values, strict=True)]
     ax.set_title("seconds per step, by phase")
     ax.legend(fontsize=8)
     for a in axes.flat:

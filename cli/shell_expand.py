@@ -239,7 +239,8 @@ class Shell:
             if op.endswith("+"):
                 return "" if empty else self.expand_string(word)
             if empty:
-                return Unresolved((f"${label}",), f"unset, and the script stops there: {word or 'parameter null or not set'}")
+                why = word or "parameter null or not set"
+                return Unresolved((f"${label}",), f"unset, and the script stops there: {why}")
             return v
         if v is _UNSET:
             return self._missing(label)

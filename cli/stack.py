@@ -14,6 +14,7 @@ from pydantic import Field
 from dgrpo.common.auth import AuthConfig
 from dgrpo.common.config import ConfigError, StrictConfig
 from dgrpo.common.model_config import ModelConfig
+from dgrpo.common.tracing import TracingConfig
 from dgrpo.learner.config import LearnerConfig, LearnerRunConfig
 from dgrpo.rewarder.config import RewarderConfig
 from dgrpo.sampler.config import SamplerConfig
@@ -35,6 +36,8 @@ class StackConfig(StrictConfig):
     """Weight sync from the learner to every sampler."""
     auth: AuthConfig = Field(default_factory=AuthConfig)
     """The shared token every gRPC service requires and every client sends (docs/security.md)."""
+    tracing: TracingConfig = Field(default_factory=TracingConfig)
+    """OpenTelemetry traces of every service, one trace per training step (off unless an OTLP endpoint is set)."""
 
     def check_whole_stack(self) -> None:
         """Checks that span services, run by the commands that drive the whole stack (learner, up).
@@ -54,6 +57,13 @@ class StackConfig(StrictConfig):
                 f"learner.algorithm.overlong_buffer.len={ob.len} exceeds the maximum response length {top} it ends at "
                 "(verl asserts max_resp_len >= overlong_buffer.len)"
             )
+        if self.weights.transport == "collective" and self.model.device != "auto":
+            from dgrpo.common.devices import weight_collective_backend
+
+            try:  # model.device=auto is resolved, and checked the same way, when the learner starts
+                weight_collective_backend(self.weights.collective_backend, self.model.device)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
         if self.learner.rollout.max_staleness and self.weights.pause_mode == "abort":
             raise ConfigError(
                 f"learner.rollout.max_staleness={self.learner.rollout.max_staleness} with weights.pause_mode=abort: "
@@ -68,5 +78,5 @@ class StackConfig(StrictConfig):
     def learner_run(self) -> LearnerRunConfig:
         """The learner's sections, the sampler addresses it drives, and this whole config for its records."""
         return LearnerRunConfig(model=self.model, learner=self.learner, weights=self.weights,
-                                sampler_addresses=self.sampler.addresses, auth=self.auth,
+                                sampler_addresses=self.sampler.addresses, auth=self.auth, tracing=self.tracing,
                                 stack=self.model_dump(mode="json"))

@@ -195,7 +195,8 @@ def measure(names: list[str], n_prompts: int = 64, n: int = 4, max_tokens: int =
     for name in names:
         rows = make_rows(name, n_prompts, seed)
         outs = llm.chat([r["prompt"] for r in rows], params, use_tqdm=False)
-        rewards = [[last_number_reward(c.text, r["answer"]) for c in o.outputs] for r, o in zip(rows, outs)]
+        rewards = [[last_number_reward(c.text, r["answer"]) for c in o.outputs]
+                   for r, o in zip(rows, outs, strict=True)]
         flat = sum(len(set(g)) == 1 for g in rewards) / len(rewards)
         right = sum(min(g) == 1.0 for g in rewards) / len(rewards)
         acc = sum(map(sum, rewards)) / (len(rewards) * n)

@@ -46,7 +46,8 @@ from dgrpo.common.auth import TOKEN_ENV
 from dgrpo.common.config import ConfigError, load_config, to_yaml
 from dgrpo.common.preflight import check_folder, pick_free_ports
 
-REPO_CONFIGS = Path(__file__).resolve().parent / "configs"  # a symlink to ../configs in the tree; package data installed
+# A symlink to ../configs in the tree; package data when installed.
+REPO_CONFIGS = Path(__file__).resolve().parent / "configs"
 DEMO_CONFIG = REPO_CONFIGS / "cpu-demo.yaml"
 COLORS = ["\033[36m", "\033[33m", "\033[35m", "\033[32m", "\033[34m", "\033[31m"]
 RESET = "\033[0m"
@@ -144,22 +145,16 @@ class Stack:
         return auth.health_channel(address, auth.Credentials(tls=tls))
 
     def wait_serving(self, svc: Service, timeout: float) -> None:
-        import grpc
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
+        from dgrpo.common.auth import not_serving
 
         deadline = time.monotonic() + timeout
         with self._health_channel(f"127.0.0.1:{svc.port}") as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
             while time.monotonic() < deadline:
                 if svc.proc.poll() is not None:
                     raise RuntimeError(f"{svc.name} exited with {svc.proc.returncode} while starting:\n"
                                        + "".join(svc.lines[-20:]))
-                try:
-                    if stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == \
-                            health_pb2.HealthCheckResponse.SERVING:
-                        return
-                except grpc.RpcError:
-                    pass
+                if not_serving(channel, timeout=2) is None:
+                    return
                 time.sleep(0.5)
         raise TimeoutError(f"{svc.name} not SERVING after {timeout:.0f}s (log: {svc.log_path})")
 
@@ -521,7 +516,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-demo-data", action="store_true", help="do not generate the demo task's data")
     parser.add_argument("--start-timeout", type=float, default=600, help="seconds for a service to become healthy")
     parser.add_argument("--max-restarts", type=int, default=3,
-                        help="restarts of a dead sampler or rewarder within 10 minutes before it is given up (default 3)")
+                        help="restarts of a dead sampler or rewarder within 10 minutes before it is given up "
+                        "(default 3)")
     parser.add_argument("--hung-restart-s", type=float, default=60.0, metavar="S",
                         help="kill and restart a sampler or the rewarder that has not answered its gRPC health check "
                              "for S seconds although its process runs (frozen, cut off); 0: never (default 60). "

@@ -347,3 +347,17 @@ def health_channel(target: str, credentials: Credentials | None) -> grpc.Channel
     if tls is None:
         return grpc.insecure_channel(target)
     return grpc.secure_channel(target, tls.channel_credentials(), options=tls.channel_options())
+
+
+def not_serving(channel: grpc.Channel, timeout: float, service: str = "") -> str | None:
+    """One gRPC health Check on `channel`: None when it answers SERVING, else why not (the status, or the error)."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    try:
+        status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
+                                                            timeout=timeout).status
+    except grpc.RpcError as e:
+        return f"{e.code().name}: {e.details()}"
+    if status == health_pb2.HealthCheckResponse.SERVING:
+        return None
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(status)

@@ -58,6 +58,25 @@ def dist_backend(device: DeviceKind) -> str:
     return DIST_BACKENDS[device]
 
 
+WEIGHT_BACKEND_DEVICES: dict[str, str] = {"nccl": "cuda", "hccl": "npu"}
+"""The device whose memory each device backend of weights.transport=collective stages bytes in (gloo: host memory)."""
+
+
+def weight_collective_backend(setting: str, device: str) -> str:
+    """The backend the weight groups of weights.transport=collective use for weights.collective_backend=`setting` in a
+    process on `device`: auto follows the device (as dist_backend); gloo works on every device (host memory over
+    TCP); nccl needs CUDA and hccl Ascend."""
+    if setting == "auto":
+        return DIST_BACKENDS[device]
+    if setting != "gloo" and WEIGHT_BACKEND_DEVICES.get(setting) is None:
+        raise ValueError(f"weights.collective_backend={setting!r}: expected one of auto, gloo, nccl, hccl")
+    if setting != "gloo" and WEIGHT_BACKEND_DEVICES[setting] != device:
+        raise ValueError(f"weights.collective_backend={setting} needs model.device={WEIGHT_BACKEND_DEVICES[setting]}, "
+                         f"but this process runs on {device!r}: use auto (the device's own backend) or gloo (host "
+                         "memory over TCP)")
+    return setting
+
+
 def torch_device(device: DeviceKind, local_rank: int = 0):
     import torch
 

@@ -29,7 +29,7 @@ from typing import Any, Literal
 from dgrpo.common import preflight as pf
 from dgrpo.common import versions
 from dgrpo.common.config import ConfigError
-from dgrpo.common.devices import DIST_BACKENDS, VISIBLE_DEVICES_ENV
+from dgrpo.common.devices import DIST_BACKENDS, VISIBLE_DEVICES_ENV, visible_devices
 
 Status = Literal["OK", "WARN", "FAIL"]
 SERVICES = ("sampler", "rewarder", "learner")
@@ -151,7 +151,8 @@ def check_cann(service: str, env: dict[str, str] | None = None, roots: tuple[str
     got, where = cann_version(env, roots)
     if got is None:
         return Finding(service, "cann", "FAIL", f"no CANN toolkit found (looked for ascend_toolkit_install.info "
-                       f"under {where})", "install CANN " f"{want} and `source /usr/local/Ascend/ascend-toolkit/set_env.sh`")
+                       f"under {where})",
+                       f"install CANN {want} and `source /usr/local/Ascend/ascend-toolkit/set_env.sh`")
     if not got.startswith(want):
         return Finding(service, "cann", "FAIL", f"CANN {got} ({where}); torch_npu "
                        f"{versions.MATRIX['npu'].pins[3].spec[2:]} and vllm-ascend need CANN {want}",
@@ -230,13 +231,13 @@ def resolve_device(requested: str, installed: dict[str, str] | None = None) -> t
 def visible(device: str, env: dict[str, str], count: int) -> list[int] | str:
     """Indices this process may use (ASCEND_RT_VISIBLE_DEVICES / CUDA_VISIBLE_DEVICES), or an error."""
     name = VISIBLE_DEVICES_ENV[device]
-    raw = env.get(name, "").strip() if name else ""
-    if not raw:
-        return list(range(count))
     try:
-        ids = [int(x) for x in raw.split(",") if x.strip()]
+        ids = visible_devices(device, env)
     except ValueError:
-        return f"{name}={raw!r} is not a comma-separated list of device indices"
+        return f"{name}={env[name].strip()!r} is not a comma-separated list of device indices"
+    if ids is None:
+        return list(range(count))
+    raw = env[name].strip()
     if count and any(i >= count or i < 0 for i in ids):
         return f"{name}={raw!r} names a device this host does not have ({count} visible: 0-{count - 1})"
     return ids
@@ -320,7 +321,8 @@ def check_env(service: str, device: str, env: dict[str, str]) -> list[Finding]:
             state = f"PYTORCH_NPU_ALLOC_CONF={alloc}" if alloc else "unset (dgrpo sets expandable_segments:True)"
             status: Status = "OK" if not alloc else "WARN"
             out.append(Finding(service, "PYTORCH_NPU_ALLOC_CONF", status, state, "" if status == "OK" else
-                               "add expandable_segments:True against fragmentation (seed 004)"))
+                               "add expandable_segments:True against fragmentation (Ascend Extension for PyTorch's "
+                               "PYTORCH_NPU_ALLOC_CONF documentation)"))
         else:
             out.append(Finding(service, "PYTORCH_NPU_ALLOC_CONF", "OK", alloc))
     return out
@@ -333,12 +335,12 @@ def bindings(service: str, cfg: Any) -> list[pf.Binding]:
     if service == "sampler":
         out = [("sampler.port", cfg.sampler.host, cfg.sampler.port)]
         if cfg.sampler.metrics_port:
-            out.append(("sampler.metrics_port", cfg.sampler.host, cfg.sampler.metrics_port))
+            out.append(("sampler.metrics_port", cfg.sampler.metrics_host, cfg.sampler.metrics_port))
         return out
     if service == "rewarder":
         out = [("rewarder.port", cfg.rewarder.host, cfg.rewarder.port)]
         if cfg.rewarder.metrics_port:
-            out.append(("rewarder.metrics_port", cfg.rewarder.host, cfg.rewarder.metrics_port))
+            out.append(("rewarder.metrics_port", cfg.rewarder.metrics_host, cfg.rewarder.metrics_port))
         return out
     return pf.learner_bindings(cfg.learner.trainer, cfg.weights)
 
@@ -405,17 +407,10 @@ def check_shm(service: str, cfg: Any, params: int | None) -> Finding | None:
 
 def _health(address: str, tls: Any, timeout: float) -> str | None:
     """None when `address` answers gRPC health SERVING, else why not."""
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
     from dgrpo.common import auth
 
-    try:
-        with auth.health_channel(address, auth.Credentials(tls=tls)) as channel:
-            status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout).status
-    except grpc.RpcError as e:
-        return f"{e.code().name}: {e.details()}"
-    return None if status == health_pb2.HealthCheckResponse.SERVING else health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+    with auth.health_channel(address, auth.Credentials(tls=tls)) as channel:
+        return auth.not_serving(channel, timeout)
 
 
 def check_reach(service: str, cfg: Any, timeout: float = 1.0) -> list[Finding]:

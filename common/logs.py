@@ -1,5 +1,5 @@
 """One log format for every service, so `dgrpo up` can prefix and interleave them readably; `printable` makes
-text a client sent safe to put in a log line."""
+text a client sent safe to put in a log line, `bounded` short enough to return in a gRPC status."""
 
 from __future__ import annotations
 
@@ -37,6 +37,20 @@ def printable(text: object, limit: int = 200) -> str:
         out.append(piece)
         size += len(piece)
     return "".join(out)
+
+
+MAX_ERROR_BYTES = 2000
+"""Longest error message (UTF-8 bytes) a client gets back. gRPC sends it percent-encoded in a trailer, and a trailer
+over the client's metadata limit (8 KiB) turns the whole answer into RESOURCE_EXHAUSTED "Stream removed": a message
+quoting a 20 kB prompt_id or path would hide why the request was refused."""
+
+
+def bounded(message: str, limit: int = MAX_ERROR_BYTES) -> str:
+    """`message`, cut to `limit` UTF-8 bytes with a marker saying how much was left out."""
+    raw = message.encode()
+    if len(raw) <= limit:
+        return message
+    return raw[:limit].decode(errors="ignore") + f"...[{len(raw) - limit} more bytes]"
 
 
 def setup_logging(service: str, level: str | None = None) -> logging.Logger:

@@ -70,7 +70,8 @@ def read_shape(folder: str | Path) -> ModelShape:
         hidden, layers, heads = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"]
         vocab, inter = cfg["vocab_size"], cfg.get("intermediate_size", 4 * cfg["hidden_size"])
     except KeyError as e:
-        raise ConfigError(f"{path} has no {e.args[0]}: not a decoder-only transformer config dgrpo plan reads") from None
+        raise ConfigError(f"{path} has no {e.args[0]}: not a decoder-only transformer config dgrpo plan reads") \
+            from None
     shape = ModelShape(layers=layers, hidden=hidden, heads=heads, kv_heads=cfg.get("num_key_value_heads") or heads,
                        head_dim=cfg.get("head_dim") or hidden // heads, intermediate=inter, vocab=vocab,
                        tied=bool(cfg.get("tie_word_embeddings", False)), params=0, params_from="")
@@ -140,6 +141,25 @@ def layer_activation_bytes(m: ModelShape, dtype: str, device: str = "cuda") -> f
     return (46 if device == "cpu" else 38) * h + 8 * inter
 
 
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The linear layers of a Llama-style decoder layer: what `all-linear` targets (PEFT excludes the output head)."""
+
+
+def lora_module_dims(m: ModelShape) -> dict[str, tuple[int, int]]:
+    """(in, out) features of each linear layer of one decoder layer."""
+    q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
+    return {"q_proj": (m.hidden, q), "k_proj": (m.hidden, kv), "v_proj": (m.hidden, kv), "o_proj": (q, m.hidden),
+            "gate_proj": (m.hidden, m.intermediate), "up_proj": (m.hidden, m.intermediate),
+            "down_proj": (m.intermediate, m.hidden)}
+
+
+def lora_params(m: ModelShape, rank: int, target_modules: str | list[str]) -> int:
+    """Adapter parameters: per targeted linear layer r x (in + out) (A is r x in, B is out x r; Hu et al. 2021)."""
+    dims = lora_module_dims(m)
+    names = LORA_MODULES if isinstance(target_modules, str) else [t.rsplit(".", 1)[-1] for t in target_modules]
+    return m.layers * sum(rank * sum(dims[n]) for n in names if n in dims)
+
+
 def micro_batch_tokens(cfg: Any) -> tuple[int, int]:
     """(tokens of one training micro-batch, of which positions predict a completion token), at the longest
     prompt and response the config allows."""
@@ -169,16 +189,26 @@ def learner_terms(m: ModelShape, cfg: Any, ranks: int, device: str, tokens: int 
     else:
         kept = math.ceil(tokens * micro_batch_tokens(cfg)[1] / micro_batch_tokens(cfg)[0])
     ckpt = a.gradient_checkpointing if checkpointing is None else checkpointing
-    out = [Term("weights fp32", 4 * P / W, f"4 B x {P / 1e6:.0f}M params / {W} rank(s)"),
-           Term("gradients fp32", 4 * P / W, "4 B x params / ranks"),
-           Term("AdamW moments fp32", 8 * P / W, "2 x 4 B x params / ranks (exp_avg, exp_avg_sq)")]
-    if cfg.learner.algorithm.beta > 0:
+    lora = cfg.learner.lora
+    if lora.enabled:  # PEFT: frozen base (bf16 under bf16 compute), fp32 adapter with its gradients and moments
+        A = lora_params(m, lora.rank, lora.target_modules)
+        base_b = 4 if a.dtype == "float32" else 2
+        out = [Term(f"frozen base {'fp32' if base_b == 4 else 'bf16'}", base_b * P / W,
+                    f"{base_b} B x {P / 1e6:.0f}M params / {W} rank(s) (learner.lora: no gradients, no AdamW)"),
+               Term("LoRA adapter fp32", 4 * A / W, f"4 B x {A / 1e6:.2f}M adapter params (rank {lora.rank})"),
+               Term("adapter gradients fp32", 4 * A / W, "4 B x adapter params / ranks"),
+               Term("adapter AdamW moments fp32", 8 * A / W, "2 x 4 B x adapter params / ranks")]
+    else:
+        out = [Term("weights fp32", 4 * P / W, f"4 B x {P / 1e6:.0f}M params / {W} rank(s)"),
+               Term("gradients fp32", 4 * P / W, "4 B x params / ranks"),
+               Term("AdamW moments fp32", 8 * P / W, "2 x 4 B x params / ranks (exp_avg, exp_avg_sq)")]
+    if cfg.learner.algorithm.beta > 0 and not lora.enabled:  # LoRA: the reference is the base, adapter off
         out.append(Term("reference fp32", 4 * P / W, "algorithm.beta > 0: a frozen fp32 copy, sharded alike"))
     if W > 1:
         gathered = 4 * P * (W - 1) / W if not a.fsdp_reshard_after_forward else 2 * 2 * 4 * m.layer_params
         out.append(Term("FSDP gathered", gathered, "reshard_after_forward: 2 layers gathered + 2 unsharded layer "
                         "gradients (fp32)" if a.fsdp_reshard_after_forward else "ZeRO-2: whole model gathered"))
-    if a.dtype == "bfloat16":
+    if a.dtype == "bfloat16" and not lora.enabled:  # (a LoRA base is stored in bf16: nothing to cast)
         cast = P - m.vocab * m.hidden  # the embedding is looked up, not cast
         out.append(Term("autocast bf16 weights", 2 * cast / W if W == 1 else 2 * 2 * m.layer_params,
                         "the 2 B copy of each matmul weight autocast makes, kept for backward"))
@@ -208,7 +238,7 @@ def plan_learner(m: ModelShape, cfg: Any, ranks: int, device: str, device_bytes:
     per_token = sum(t.bytes for t in learner_terms(m, cfg, ranks, device, tokens=1001)) - fixed
     seq = cfg.learner.data.max_prompt_length + cfg.learner.rollout.max_response_length
     room = (device_bytes - fixed) / (per_token / 1000) if per_token else 0
-    if room >= seq:  # 1. a smaller micro-batch: gradient accumulation keeps the effective batch (seed 000)
+    if room >= seq:  # 1. a smaller micro-batch: gradient accumulation keeps the effective batch
         if a.use_dynamic_bsz:
             sp.fix = f"learner.actor.max_tokens_per_micro_batch={int(room // 16 * 16)} (micro-batches accumulate)"
         else:
@@ -239,6 +269,17 @@ def kv_bytes_per_token(m: ModelShape, dtype: str, tp: int = 1) -> int:
     return 2 * m.layers * max(1, m.kv_heads // tp) * m.head_dim * DTYPE_BYTES[dtype]
 
 
+def _lora_serving(m: ModelShape, cfg: Any) -> list[Term]:
+    """vLLM with LoRA keeps one adapter slot (max_loras 1) of max_lora_rank for every targeted module."""
+    lora = cfg.learner.lora
+    if not lora.serves_adapters:
+        return []
+    A = lora_params(m, lora.vllm_max_lora_rank, lora.target_modules)
+    size = DTYPE_BYTES[cfg.model.dtype]
+    return [Term("LoRA slot", A * size / cfg.sampler.tensor_parallel_size,
+                 f"max_lora_rank {lora.vllm_max_lora_rank} x (in + out) of each targeted module x {size} B")]
+
+
 def plan_sampler(m: ModelShape, cfg: Any, device: str, device_bytes: int | None) -> ServicePlan:
     s, dtype = cfg.sampler, cfg.model.dtype
     tp = s.tensor_parallel_size
@@ -247,6 +288,7 @@ def plan_sampler(m: ModelShape, cfg: Any, device: str, device_bytes: int | None)
     batched = s.max_num_batched_tokens or VLLM_DEFAULT_BATCHED_TOKENS
     act = batched * (6 * m.hidden + 4 * m.intermediate) * DTYPE_BYTES[dtype] / tp + 2 * 4 * s.max_num_seqs * m.vocab
     terms = [Term("weights", weights, f"{m.params / 1e6:.0f}M params x {DTYPE_BYTES[dtype]} B ({dtype}) / TP {tp}"),
+             *_lora_serving(m, cfg),
              Term("activations (profile)", act, f"max_num_batched_tokens {batched} x (6·h + 4·I) x dtype / TP + "
                   f"max_num_seqs {s.max_num_seqs} x vocab x 8 B (fp32 logits, sampler)")]
     runtime = 0.0 if s.enforce_eager and device != "cpu" else SAMPLER_RUNTIME[device]
@@ -328,10 +370,7 @@ def plan_stack(cfg: Any, *, device: str, device_bytes: int | None, learner_ranks
     m = read_shape(model_dir(cfg.model.path)) if cfg.model.path else _bundled_shape()
     learner = plan_learner(m, cfg, learner_ranks, device, None if device == "cpu" else device_bytes)
     sampler = plan_sampler(m, cfg, device, None if device == "cpu" else device_bytes)
-    shm = None
-    if cfg.weights.enabled and cfg.weights.transport == "shm":
-        shm = Term("weight slots", 2 * m.params * DTYPE_BYTES[cfg.model.dtype],
-                   f"2 slots x params x {DTYPE_BYTES[cfg.model.dtype]} B ({cfg.model.dtype}) in {cfg.weights.shm_dir}")
+    shm = _weight_slots(m, cfg)
     host = None
     if device == "cpu":
         n = samplers or max(1, len(cfg.sampler.addresses))
@@ -343,10 +382,29 @@ def plan_stack(cfg: Any, *, device: str, device_bytes: int | None, learner_ranks
         if device_bytes is not None and host.total > device_bytes:
             host.problem = f"the services together need {pf.fmt_bytes(host.total)}, the host has " \
                            f"{pf.fmt_bytes(device_bytes)}"
-            host.fix = (f"learner.actor.max_tokens_per_micro_batch={max(16, cfg.learner.actor.max_tokens_per_micro_batch // 2)}"
+            half_budget = max(16, cfg.learner.actor.max_tokens_per_micro_batch // 2)
+            host.fix = (f"learner.actor.max_tokens_per_micro_batch={half_budget}"
                         if cfg.learner.actor.use_dynamic_bsz else "learner.actor.micro_batch_size_per_device=1") + \
                 " first, then fewer sampler replicas or a smaller sampler.kv_cache_space_gib"
     return StackPlan(m, device, learner, sampler, shm, host)
+
+
+def _weight_slots(m: ModelShape, cfg: Any) -> Term | None:
+    """/dev/shm the weight channel needs (docs/weight_sync.md): the learner's two slots (shm), the two slots of each
+    sampler host's relay (collective), one staging copy per replica (tcp)."""
+    if not cfg.weights.enabled:
+        return None
+    size, dtype = DTYPE_BYTES[cfg.model.dtype], cfg.model.dtype
+    where = {"shm": ("2 slots", 2, f"in {cfg.weights.shm_dir}"),
+             "collective": ("2 slots", 2, f"in {cfg.weights.shm_dir} of each sampler host (its relay's)"),
+             "tcp": ("1 staging copy", 1, f"in {cfg.weights.shm_dir} of each replica")}
+    what, slots, place = where[cfg.weights.transport]
+    lora = cfg.learner.lora
+    if lora.serves_adapters:  # a version is the adapter alone
+        A = lora_params(m, lora.rank, lora.target_modules)
+        return Term("weight slots", slots * A * size,
+                    f"{what} x {A / 1e6:.2f}M adapter params (learner.lora) x {size} B ({dtype}) {place}")
+    return Term("weight slots", slots * m.params * size, f"{what} x params x {size} B ({dtype}) {place}")
 
 
 def _bundled_shape() -> ModelShape:

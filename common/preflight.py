@@ -1,7 +1,7 @@
 """Checks that run before anything heavy: output folders writable with room for a checkpoint, ports free.
 
-A full disk used to surface at the first checkpoint (with the demo's settings: after the last step) as a torch
-"unexpected pos" error, and a taken port after the model had loaded. These plain functions answer in well under a
+Unchecked, a full disk surfaces at the first checkpoint (with the demo's settings: after the last step) as a torch
+"unexpected pos" error, and a taken port after the model has loaded. These plain functions answer in well under a
 second and raise ConfigError naming the key, so `dgrpo learner` and `dgrpo up` fail before they load anything.
 Services and the launcher share them, hence common/: nothing here imports torch or a service.
 """
@@ -132,11 +132,14 @@ Binding = tuple[str, str, int]
 
 def learner_bindings(trainer, weights) -> list[Binding]:
     """The sockets the learner binds (rank 0), from its `learner.trainer` and `weights` sections: its control
-    service (unless control_port is null) and the weight publisher's two."""
+    service (unless control_port is null), its metrics endpoint (when metrics_port is set) and the weight
+    publisher's two."""
     out = [("weights.announce_port", weights.bind_host, weights.announce_port),
            ("weights.control_port", weights.bind_host, weights.control_port)]
     if trainer.control_port is not None:
         out.insert(0, ("learner.trainer.control_port", trainer.control_host, trainer.control_port))
+    if trainer.metrics_port:
+        out.append(("learner.trainer.metrics_port", trainer.metrics_host, trainer.metrics_port))
     return out
 
 

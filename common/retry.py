@@ -35,8 +35,8 @@ class Backoff:
 
     def __post_init__(self) -> None:
         if self.initial <= 0 or self.cap <= 0 or self.factor < 1 or self.jitter < 0:
-            raise ValueError(f"backoff needs initial > 0, cap > 0, factor >= 1, jitter >= 0; got initial={self.initial}, "
-                             f"cap={self.cap}, factor={self.factor}, jitter={self.jitter}")
+            raise ValueError(f"backoff needs initial > 0, cap > 0, factor >= 1, jitter >= 0; got "
+                             f"initial={self.initial}, cap={self.cap}, factor={self.factor}, jitter={self.jitter}")
         self.reset()
 
     def reset(self) -> None:

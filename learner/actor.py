@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterator
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -23,7 +23,8 @@ from torch.distributed.tensor import DTensor
 
 from dgrpo.common.devices import fused_adamw
 from dgrpo.learner import grpo
-from dgrpo.learner.actor_config import ActorConfig, AlgorithmConfig, OptimConfig
+from dgrpo.learner import lora as peft_lora
+from dgrpo.learner.actor_config import ActorConfig, AlgorithmConfig, MaskedIS, OptimConfig
 from dgrpo.learner.attention import PROMPT_BLOCKS, block_forward_kwargs
 from dgrpo.learner.batch import MicroBatch, Sequence, micro_batches
 from dgrpo.learner.distributed import (
@@ -35,6 +36,8 @@ from dgrpo.learner.distributed import (
     shard_model,
 )
 from dgrpo.weights.gather import DEFAULT_BUCKET_BYTES, full_tensors
+from dgrpo.weights.gather import layout as full_layout
+from dgrpo.weights.lora import LoraConfig
 
 TOKEN_MEANS = (
     "clip_frac_low", "clip_frac_high", "clip_frac_dual", "ratio", "kl", "entropy", "sampler_logp_diff",
@@ -83,7 +86,7 @@ class StepSums:
         """Sums over ranks; with `maxima` (every rank must pass the same) also the MAXIMA fields' maxima."""
         names = [f.name for f in fields(self) if f.name not in MAXIMA]
         stacked = torch.tensor([getattr(self, name) for name in names], dtype=torch.float64)
-        out = StepSums(**dict(zip(names, all_reduce_sum(stacked, ctx).tolist())))
+        out = StepSums(**dict(zip(names, all_reduce_sum(stacked, ctx).tolist(), strict=True)))
         for name in MAXIMA:
             value = getattr(self, name)
             setattr(out, name, _max_over_ranks(value, ctx) if maxima else value)
@@ -126,7 +129,10 @@ def load_causal_lm(
 
 
 class Actor:
-    """Policy (trained, fp32 master weights, AdamW) and, when algorithm.beta > 0, a frozen reference."""
+    """Policy (trained, fp32 master weights, AdamW) and, when algorithm.beta > 0, a frozen reference.
+
+    With LoRA (`lora.rank > 0`, learner/lora.py) the policy is the base model wrapped by PEFT: only the adapter
+    trains and sits in AdamW, and the reference is the policy with its adapter switched off (no second model)."""
 
     def __init__(
         self,
@@ -140,6 +146,7 @@ class Actor:
         temperature: float = 1.0,
         ctx: DistContext | None = None,
         trust_remote_code: bool = False,
+        lora: LoraConfig | None = None,
     ):
         """`total_steps`: training steps of the run (the lr schedule's horizon). `max_response_length`:
         the sampler's max_tokens (Dr. GRPO's normaliser). `temperature`: the sampling temperature, so the
@@ -150,16 +157,23 @@ class Actor:
         self.ctx = ctx or DistContext()
         self.total_steps, self.max_response_length, self.temperature = total_steps, max_response_length, temperature
         self.model_path = Path(model_path)
+        self.lora = lora if lora is not None and lora.enabled else None
         self.step = 0
         """Training steps done (one per `update`)."""
 
         attention = PROMPT_BLOCKS if cfg.use_dynamic_bsz and cfg.share_prompts else "sdpa"
         self.policy = load_causal_lm(model_path, self.ctx.device, trust_remote_code, attention)
+        if self.lora is not None:
+            if (self.lora.merge_on_sync or self.lora.export_merged) and self.ctx.distributed:
+                raise ValueError("learner.lora.merge_on_sync and export_merged merge on one device; under torchrun "
+                                 "publish and export the adapter (both false)")
+            base_dtype = torch.float32 if cfg.dtype == "float32" else torch.bfloat16  # frozen: no master copy needed
+            self.policy = peft_lora.apply_lora(self.policy, self.lora, base_dtype)
         self.policy.train()  # dropout is 0 in LLM configs; train mode is what gradient checkpointing keys on
         if cfg.gradient_checkpointing:
             self.policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.reference = None
-        if algorithm.beta > 0:
+        if algorithm.beta > 0 and self.lora is None:  # LoRA: the reference is the policy without its adapter
             self.reference = load_causal_lm(model_path, self.ctx.device, trust_remote_code, attention).eval()
             self.reference.requires_grad_(False)
         if self.ctx.distributed:
@@ -168,7 +182,8 @@ class Actor:
                 shard_model(self.reference, cfg.fsdp_reshard_after_forward)
         self.pad_id = int(self.policy.config.pad_token_id or 0)
         self.optimizer = torch.optim.AdamW(
-            self.policy.parameters(), lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay,
+            [p for p in self.policy.parameters() if p.requires_grad], lr=optim.lr, betas=optim.betas, eps=optim.eps,
+            weight_decay=optim.weight_decay,
             fused=fused_adamw(self.ctx.device.type) or None,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -240,21 +255,43 @@ class Actor:
         out: list[torch.Tensor] = [torch.empty(0)] * len(seqs)
         mbs = self._logprob_batches(seqs) if seqs else []
         target = all_reduce_max(len(mbs), self.ctx)
-        for k in range(target):
-            mb = mbs[min(k, len(mbs) - 1)].to(self.ctx.device)
-            logp, _ = self._forward(model, mb)
-            if k < len(mbs):
-                for row, i in enumerate(mb.indices):
-                    out[i] = logp[row, : len(seqs[i].completion_ids)].float().cpu()
+        # LoRA dropout acts in the training forward only: these logprobs are the policy's, as the samplers compute.
+        training = model.training
+        if self.lora is not None and self.lora.dropout > 0:
+            model.eval()
+        try:
+            for k in range(target):
+                mb = mbs[min(k, len(mbs) - 1)].to(self.ctx.device)
+                logp, _ = self._forward(model, mb)
+                if k < len(mbs):
+                    for row, i in enumerate(mb.indices):
+                        out[i] = logp[row, : len(seqs[i].completion_ids)].float().cpu()
+        finally:
+            model.train(training)
         return out
+
+    @property
+    def has_reference(self) -> bool:
+        return self.reference is not None or (self.lora is not None and self.algo.beta > 0)
+
+    @contextmanager
+    def _reference_model(self) -> Iterator[torch.nn.Module]:
+        """The frozen reference: its own model, or (LoRA) the policy with the adapter switched off."""
+        if self.lora is not None:
+            with peft_lora.reference_mode(self.policy) as base:
+                yield base
+        elif self.reference is None:
+            raise ValueError("no reference model: algorithm.beta is 0")
+        else:
+            yield self.reference
 
     def compute_logprobs(self, seqs: list[Sequence], reference: bool = False) -> list[torch.Tensor]:
         """Per-sequence completion logprobs under the policy (or the reference), no grad. Single process:
         all of `seqs`; distributed: every rank must call it with its own list."""
-        model = self.reference if reference else self.policy
-        if model is None:
-            raise ValueError("no reference model: algorithm.beta is 0")
-        return self._local_logprobs(model, seqs)
+        if not reference:
+            return self._local_logprobs(self.policy, seqs)
+        with self._reference_model() as model:
+            return self._local_logprobs(model, seqs)
 
     # ---- the update ---------------------------------------------------------------------------------
 
@@ -293,7 +330,7 @@ class Actor:
             )
         if mini % ctx.world_size:
             raise ValueError(f"a mini-batch of {mini} sequences cannot be split over {ctx.world_size} ranks")
-        needs_sampler = self.algo.old_logprobs == "sampler" or self.algo.off_policy != "none"
+        needs_sampler = self.algo.old_logprobs == "sampler" or self.algo.correction is not None
         if needs_sampler and any(s.sampler_logprobs is None for s in seqs):
             raise ValueError(
                 "algorithm.old_logprobs=sampler / off_policy=tis|mask (or tis_cap) need the sampler's logprobs on "
@@ -307,11 +344,12 @@ class Actor:
         """Logprobs fixed for the whole step, of this rank's sequences `local`: the reference's (KL) and, when the
         step makes several updates, the policy's before the first (the old policy of the ratio); empty if unused."""
         ref: dict[int, torch.Tensor] = {}
-        if self.reference is not None:
-            ref = dict(zip(local, self._local_logprobs(self.reference, [seqs[i] for i in local])))
+        if self.has_reference:
+            with self._reference_model() as model:
+                ref = dict(zip(local, self._local_logprobs(model, [seqs[i] for i in local]), strict=True))
         old: dict[int, torch.Tensor] = {}
         if self.algo.old_logprobs == "recompute" and updates > 1:
-            old = dict(zip(local, self._local_logprobs(self.policy, [seqs[i] for i in local])))
+            old = dict(zip(local, self._local_logprobs(self.policy, [seqs[i] for i in local]), strict=True))
         return ref, old
 
     def update(self, seqs: list[Sequence], group_size: int) -> dict[str, float]:
@@ -326,14 +364,15 @@ class Actor:
         t1 = time.perf_counter()
         sums, grad_norms = StepSums(), []
         for _ in range(self.cfg.ppo_epochs):
-            for idx, share in zip(minis, shares):
+            for idx, share in zip(minis, shares, strict=True):
                 denom = self._denominator([seqs[i] for i in idx])
                 grad_norms.append(self._optimizer_update(seqs, share, denom, ref, old, sums))
         lr = self.optimizer.param_groups[0]["lr"]  # the lr this step used
         self.scheduler.step()
         self.step += 1
         t2 = time.perf_counter()
-        metrics = self._metrics(sums.all_reduced(self.ctx, maxima=self.algo.off_policy != "none"), seqs, grad_norms, lr)
+        sums = sums.all_reduced(self.ctx, maxima=self.algo.correction is not None)
+        metrics = self._metrics(sums, seqs, grad_norms, lr)
         metrics.update({"timing/logprob_s": t1 - t0, "timing/update_s": t2 - t1})
         return metrics
 
@@ -347,11 +386,11 @@ class Actor:
             del metrics["actor/clip_frac_dual"]
         if any(s.sampler_logprobs is None for s in seqs):
             del metrics["actor/sampler_logp_diff"]
-        if self.algo.off_policy == "none":
+        if self.algo.correction is None:
             del metrics["actor/is_weight_mean"]
         else:
             metrics["actor/is_weight_max"] = sums.is_weight_max
-        if self.algo.off_policy != "mask":
+        if not isinstance(self.algo.correction, MaskedIS):
             del metrics["actor/off_policy_masked_frac"]
         updates = len(grad_norms)
         metrics.update({
@@ -425,10 +464,7 @@ class Actor:
         ref_logp = self._rows(ref, mb) if ref else None
         # Off-policy correction: old_logp (the learner's, recompute) is the proximal policy, the sampler's the
         # behaviour policy (config checks guarantee both).
-        is_w = grpo.truncated_is_weights(old_logp, mb.sampler_logp, algo.tis_cap) if algo.tis_cap else None
-        keep = None
-        if algo.off_policy == "mask":
-            keep = grpo.off_policy_keep(old_logp, mb.sampler_logp, mask, algo.off_policy_band, algo.off_policy_level)
+        is_w, keep = grpo.off_policy_weights(algo.correction, old_logp, mb.sampler_logp, mask)
         loss, stats = grpo.policy_loss(
             logp, old_logp, mb.advantages, mask, ref_logp=ref_logp, beta=algo.beta, clip_low=algo.clip_low,
             clip_high=algo.clip_high, agg=algo.loss_agg,
@@ -455,9 +491,9 @@ class Actor:
         tok, loss_v, pg_v, *values = torch.stack([
             t.double() for t in (mask.sum(), loss.detach(), stats["pg_loss"], *(stats[n] for n in means + maxima))
         ]).cpu().tolist()
-        for name, value in zip(means, values):
+        for name, value in zip(means, values[:len(means)], strict=True):
             setattr(sums, name, getattr(sums, name) + value * tok)
-        for name, value in zip(maxima, values[len(means):]):
+        for name, value in zip(maxima, values[len(means):], strict=True):
             setattr(sums, name, max(getattr(sums, name), value))
         sums.loss_tokens += tok
         sums.loss += loss_v * weight / self.ctx.world_size
@@ -469,7 +505,7 @@ class Actor:
     def _clip_grad_norm(self) -> float:
         """Total gradient norm over all ranks' shards, before clipping to optim.grad_clip (none: only measured)."""
         max_norm = self.optim_cfg.grad_clip if self.optim_cfg.grad_clip is not None else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), max_norm)
+        norm = torch.nn.utils.clip_grad_norm_([p for p in self.policy.parameters() if p.requires_grad], max_norm)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         return float(norm)
@@ -488,6 +524,26 @@ class Actor:
         others iterate nothing. Tied weights appear once (e.g. lm_head tied to embed_tokens), as in the model's
         safetensors.
         """
-        for name, tensor in full_tensors(self.policy, bucket_bytes=bucket_bytes, dtype=dtype):
+        if self.lora is None:
+            named = full_tensors(self.policy, bucket_bytes=bucket_bytes, dtype=dtype)
+        elif self.lora.merge_on_sync:  # full weights, base + (alpha / r) B A
+            named = peft_lora.merged_tensors(self.policy, dtype=dtype)
+        else:  # the adapter alone
+            named = peft_lora.adapter_tensors(self.policy, dtype=dtype, bucket_bytes=bucket_bytes)
+        for name, tensor in named:
             if self.ctx.is_main:
                 yield name, tensor.to(device="cpu")
+
+    def weight_layout(self) -> list[tuple[str, list[int]]]:
+        """[(name, shape)] of what `named_weights` yields, in its order, known without computing it."""
+        if self.lora is None:
+            return full_layout(self.policy)
+        if self.lora.merge_on_sync:
+            return peft_lora.merged_layout(self.policy)
+        return peft_lora.adapter_layout(self.policy)
+
+    def adapter_config(self) -> str | None:
+        """PEFT's adapter_config.json when `named_weights` yields an adapter; None for full weights."""
+        if self.lora is None or self.lora.merge_on_sync:
+            return None
+        return peft_lora.adapter_config_json(self.policy)

@@ -8,6 +8,7 @@ it imports torch (`--help` and config errors answer in about a second), so this 
 from __future__ import annotations
 
 import typing
+from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -27,6 +28,30 @@ AdvantageScale = Literal["group", "batch", "none"]
 OffPolicy = Literal["none", "tis", "mask"]
 DEFAULT_TIS_CAP = 2.0
 """tis_cap of off_policy=tis when none is set (Yao et al. 2025's choice, verl's rollout_is_threshold default)."""
+
+
+@dataclass(frozen=True)
+class TruncatedIS:
+    """off_policy=tis: each token's policy-gradient term x min(r, cap) (TIS, Yao et al. 2025)."""
+
+    cap: float
+    type: Literal["tis"] = "tis"
+
+
+@dataclass(frozen=True)
+class MaskedIS:
+    """off_policy=mask: tokens (level token) or whole sequences (level sequence) whose r leaves `band` are dropped
+    from the loss; the kept tokens x min(r, cap) when `cap` is set (IcePop; verl's rollout_rs)."""
+
+    band: tuple[float, float]
+    level: Literal["token", "sequence"]
+    cap: float | None = None
+    type: Literal["mask"] = "mask"
+
+
+OffPolicyCorrection = TruncatedIS | MaskedIS | None
+"""The off-policy correction as one typed variant (None: off), built from the config's keys by
+`AlgorithmConfig.correction`: the loss code takes this, never the separate keys."""
 
 
 class AlgorithmConfig(StrictConfig):
@@ -74,13 +99,14 @@ class AlgorithmConfig(StrictConfig):
     min(r, tis_cap) (TIS, Yao et al. 2025; verl's rollout_is: token). mask: tokens (off_policy_level: token) or
     whole sequences (sequence) whose r leaves off_policy_band are dropped from the loss, staying in its denominator
     (IcePop; verl's rollout_rs; "MIS"); the kept tokens are also weighted by min(r, tis_cap) when tis_cap is set.
-    tis and mask need old_logprobs=recompute and the sampler's logprobs. Unset with tis_cap set: tis (as before
-    off_policy existed). docs/peers.md maps each to verl and AReaL."""
+    tis and mask need old_logprobs=recompute and the sampler's logprobs. Unset with tis_cap set: tis (the
+    shorthand configs/cpu-demo.yaml uses). docs/peers.md maps each to verl and AReaL."""
     tis_cap: float | None = Field(default=None, gt=0)
     """Truncation of the importance weight min(exp(old_logp - sampler_logp), tis_cap) (Yao et al. 2025, "Your
-    efficient RL framework secretly brings you off-policy RL training"; verl's rollout_is_threshold, formerly
-    tis_imp_ratio_cap). Used by off_policy tis (null there: 2.0, the note's choice) and mask (null there: kept
-    tokens are not weighted). Setting it alone means off_policy=tis."""
+    efficient RL framework secretly brings you off-policy RL training"; verl's rollout_is_threshold, and
+    tis_imp_ratio_cap in verl's older configs, which import-config reads too). Used by off_policy tis (null there:
+    2.0, the note's choice) and mask (null there: kept tokens are not weighted). Setting it alone means
+    off_policy=tis."""
     off_policy_band: tuple[float, float] = (0.5, 2.0)
     """[low, high] of the ratio r that off_policy=mask keeps (edges included; low 0: no lower bound). verl's
     rollout_rs_threshold "low_high"; AReaL's behav_imp_weight_cap c is [0, c]."""
@@ -110,10 +136,20 @@ class AlgorithmConfig(StrictConfig):
             )
         return value
 
+    @property
+    def correction(self) -> OffPolicyCorrection:
+        """off_policy with the keys that belong to it (tis_cap, off_policy_band, off_policy_level), as one variant.
+        The YAML keeps the flat keys users write (docs/actor.md); the config checks below keep them consistent."""
+        if self.off_policy == "tis":
+            return TruncatedIS(self.tis_cap)
+        if self.off_policy == "mask":
+            return MaskedIS(self.off_policy_band, self.off_policy_level, self.tis_cap)
+        return None
+
     @model_validator(mode="before")
     @classmethod
     def _resolve_off_policy(cls, data: object) -> object:
-        """tis_cap alone keeps meaning truncated IS (configs from before off_policy); tis without a cap gets 2.0.
+        """tis_cap alone means truncated IS (a shorthand the demo configs use); tis without a cap gets 2.0.
         Resolved here so show-config prints what runs."""
         if not isinstance(data, dict):
             return data

@@ -112,7 +112,8 @@ class MicroBatch:
         return MicroBatch(
             move(self.input_ids), move(self.position_ids), move(self.attention_mask), move(self.token_index),
             move(self.logit_index), move(self.mask), move(self.advantages), move(self.sampler_logp),
-            move(self.truncated), move(self.in_loss), self.indices, self.padded_tokens, self.real_tokens, self.sequence_tokens,
+            move(self.truncated), move(self.in_loss), self.indices, self.padded_tokens, self.real_tokens,
+            self.sequence_tokens,
             None if self.attention_blocks is None else [b.to(device) for b in self.attention_blocks],
         )
 
@@ -206,7 +207,7 @@ def collate_shared_prompts(seqs: Seq[Sequence], indices: Seq[int]) -> MicroBatch
     n = len(ids)
     starts = [i for i, v in enumerate(visible) if v == i]  # a prompt copy's first token sees its own block
     blocks = []
-    for start, end in zip(starts, [*starts[1:], n]):
+    for start, end in zip(starts, [*starts[1:], n], strict=True):
         b, v = blk[start:end], vis[start:end]  # [u]
         causal = torch.ones(end - start, end - start, dtype=torch.bool).tril()  # [u(query), u(key)]
         blocks.append(AttentionBlock(start, end, causal & ((b[None, :] == b[:, None]) | (b[None, :] == v[:, None]))))

@@ -2,6 +2,7 @@
 
 A checkpoint is a folder `<checkpoint.dir>/step_<N>/`:
   model.pt        full (unsharded) fp32 policy state dict, Hugging Face names          (contents: model)
+                  (LoRA: the adapter's parameters only; the frozen base is the model folder's)
   optimizer.pt    AdamW state keyed by parameter name                                 (contents: optimizer)
   scheduler.pt    the lr scheduler's position                                          (contents: optimizer)
   extra.pt        the loop's `extra` dict (data position, ...), the actor's step        (contents: extra)
@@ -61,8 +62,17 @@ def _save_options(actor: Actor) -> StateDictOptions:
 
 
 def _load_options(actor: Actor) -> StateDictOptions:
-    # Rank 0 reads the files and broadcasts (other ranks pass empty dicts).
-    return StateDictOptions(full_state_dict=True, broadcast_from_rank0=actor.ctx.distributed)
+    # Rank 0 reads the files and broadcasts (other ranks pass empty dicts). LoRA: the checkpoint holds the adapter
+    # only, the base comes from the model folder (load_checkpoint checks that every adapter weight is there).
+    return StateDictOptions(full_state_dict=True, broadcast_from_rank0=actor.ctx.distributed,
+                            strict=actor.lora is None)
+
+
+def _lora_meta(actor: Actor) -> dict[str, Any] | None:
+    """What a checkpoint records of learner.lora: resuming needs the same adapter shape."""
+    if actor.lora is None:
+        return None
+    return {"rank": actor.lora.rank, "alpha": actor.lora.alpha, "target_modules": actor.lora.target_modules}
 
 
 def _rng_state(device: torch.device) -> dict[str, Any]:
@@ -83,6 +93,15 @@ def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
 def full_model_state(actor: Actor) -> dict[str, torch.Tensor]:
     """The policy's unsharded state dict (on rank 0; empty elsewhere). Collective: every rank calls it."""
     return get_model_state_dict(actor.policy, options=_save_options(actor))
+
+
+def trained_state(actor: Actor) -> dict[str, torch.Tensor]:
+    """What a checkpoint keeps of the policy: every parameter, or with LoRA the adapter's alone. Collective."""
+    state = full_model_state(actor)
+    if actor.lora is None:
+        return state
+    trainable = {name for name, p in actor.policy.named_parameters() if p.requires_grad}
+    return {name: t for name, t in state.items() if name in trainable}
 
 
 class _Writes:
@@ -115,8 +134,8 @@ def _write_failed(err: BaseException, key: str, folder: Path, need: int, what: s
     where = f"{key}={str(folder)!r}"
     if disk_full(err):
         free = shutil.disk_usage(_existing(folder)).free
-        return CheckpointError(f"{where}: no space left writing {what} (needs ~{fmt_bytes(need)}, {fmt_bytes(free)} free after "
-                               "removing the partial write); earlier checkpoints are intact")
+        return CheckpointError(f"{where}: no space left writing {what} (needs ~{fmt_bytes(need)}, {fmt_bytes(free)} "
+                               "free after removing the partial write); earlier checkpoints are intact")
     if isinstance(err, OSError) and err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return CheckpointError(f"{where}: not writable ({err.strerror}) writing {what}")
     return CheckpointError(f"{where}: writing {what} failed: {err}")
@@ -156,7 +175,7 @@ def save_checkpoint(
         writes(lambda: tmp.mkdir(parents=True))
     if writes.first_failure(actor) is None:
         if "model" in cfg.contents:
-            model_sd = full_model_state(actor)
+            model_sd = trained_state(actor)
             if ctx.is_main:
                 writes(lambda: torch.save(model_sd, tmp / "model.pt"))
             del model_sd
@@ -171,7 +190,8 @@ def save_checkpoint(
             if ctx.is_main:
                 writes(lambda: torch.save({"step": actor.step, "extra": extra or {}}, tmp / "extra.pt"))
         if ctx.is_main:
-            meta = {"step": step, "contents": list(cfg.contents), "world_size": ctx.world_size}
+            meta = {"step": step, "contents": list(cfg.contents), "world_size": ctx.world_size,
+                    "lora": _lora_meta(actor)}
             writes(lambda: (tmp / "meta.json").write_text(json.dumps(meta, indent=1)))
     failure = writes.first_failure(actor)
     if failure is not None:
@@ -231,9 +251,18 @@ def load_checkpoint(actor: Actor, path: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"{path} is not a complete checkpoint (no meta.json)")
     meta = json.loads(meta_file.read_text())
     contents = meta["contents"]
+    if meta.get("lora") != _lora_meta(actor):
+        raise CheckpointError(
+            f"{path} was saved with learner.lora {meta.get('lora') or 'off'}, this run has "
+            f"{_lora_meta(actor) or 'off'}: resume with the same learner.lora, or point learner.checkpoint.dir "
+            "elsewhere")
     if "model" in contents:
         sd = torch.load(path / "model.pt", map_location="cpu", weights_only=True) if ctx.is_main else {}
         _check_fits(path, sd, actor)
+        if actor.lora is not None and ctx.is_main:
+            missing = [n for n, p in actor.policy.named_parameters() if p.requires_grad and n not in sd]
+            if missing:
+                raise CheckpointError(f"{path} lacks {len(missing)} adapter weights, e.g. {missing[0]}")
         set_model_state_dict(actor.policy, sd, options=_load_options(actor))
         del sd
     if "optimizer" in contents:
@@ -257,32 +286,43 @@ def load_checkpoint(actor: Actor, path: str | Path) -> dict[str, Any]:
 
 def export_hf(actor: Actor, out_dir: str | Path, dtype: str = "bfloat16") -> Path:
     """Write the policy as a Hugging Face folder (config, tokenizer + chat template, generation config,
-    safetensors in `dtype`) that `AutoModelForCausalLM.from_pretrained` and `vllm serve` load. Collective."""
+    safetensors in `dtype`) that `AutoModelForCausalLM.from_pretrained` and `vllm serve` load. Collective.
+
+    LoRA: the PEFT adapter folder (adapter_model.safetensors, adapter_config.json naming the base model, the
+    tokenizer) that `PeftModel.from_pretrained` and `vllm serve --enable-lora --lora-modules` load; with
+    learner.lora.export_merged also the merged model under `<out_dir>/merged`."""
+    if actor.lora is not None:
+        return _export_adapter(actor, Path(out_dir), dtype)
+    return _export_full(actor, Path(out_dir), dtype, full_model_state(actor))
+
+
+def _export_adapter(actor: Actor, out: Path, dtype: str) -> Path:
     from transformers import AutoTokenizer
 
-    out = Path(out_dir)
+    from dgrpo.learner import lora as peft_lora
+
     tmp = out.with_name(out.name + ".tmp")
-    check_replaceable("learner.checkpoint.export_dir", out, "config.json")  # it is replaced whole
-    sd = full_model_state(actor)
-    writes = _Writes()
+    check_replaceable("learner.checkpoint.export_dir", out, "adapter_config.json")
+    merged = None
+    if actor.lora.export_merged:  # (merged on one device: every rank computes it alike, rank 0 writes it)
+        merged = dict(peft_lora.merged_tensors(actor.policy, dtype=torch.float32))
 
     def write() -> None:
-        torch_dtype = getattr(torch, dtype)
-        config = copy.deepcopy(actor.policy.config)
-        tied = getattr(actor.policy, "all_tied_weights_keys", None) or {}
-        state = {k: v for k, v in sd.items() if k not in tied} if getattr(config, "tie_word_embeddings", False) \
-            else sd  # tied weights are written once, under the source's name
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        save_file({k: v.to(torch_dtype).contiguous() for k, v in state.items()}, tmp / "model.safetensors",
-                  metadata={"format": "pt"})
-        config.dtype = torch_dtype
-        config.save_pretrained(tmp)
-        if actor.policy.generation_config is not None:
-            actor.policy.generation_config.save_pretrained(tmp)
+        actor.policy.save_pretrained(tmp)  # PEFT: the adapter alone, base_model_name_or_path = the model folder
         AutoTokenizer.from_pretrained(actor.model_path).save_pretrained(tmp)
-        _swap_in(tmp, out)  # a previous export stays whole until this one is
+        if merged is not None:
+            _write_hf_folder(actor.policy.get_base_model(), merged, tmp / "merged", dtype, actor.model_path)
+        _swap_in(tmp, out)
 
+    return _write_export(actor, write, tmp, out, dtype)
+
+
+def _write_export(actor: Actor, write, tmp: Path, out: Path, dtype: str) -> Path:
+    """Rank 0 runs `write` (into `tmp`, then swapped in as `out`); a failure on rank 0 fails every rank, naming the
+    key, with the partial write removed."""
+    writes = _Writes()
     if actor.ctx.is_main:
         writes(write)
     failure = writes.first_failure(actor)
@@ -292,3 +332,35 @@ def export_hf(actor: Actor, out_dir: str | Path, dtype: str = "bfloat16") -> Pat
         raise _write_failed(failure, "learner.checkpoint.export_dir", out, export_bytes(_param_count(actor), dtype),
                             "the export")
     return out
+
+
+def _write_hf_folder(policy, sd: dict[str, torch.Tensor], folder: Path, dtype: str, model_path: Path) -> None:
+    """`sd` (checkpoint names) as safetensors in `dtype`, with the policy's config, generation config and the
+    tokenizer: a folder `from_pretrained` and `vllm serve` load. No collectives: rank 0 alone calls it."""
+    from transformers import AutoTokenizer
+
+    torch_dtype = getattr(torch, dtype)
+    config = copy.deepcopy(policy.config)
+    tied = getattr(policy, "all_tied_weights_keys", None) or {}
+    state = {k: v for k, v in sd.items() if k not in tied} if getattr(config, "tie_word_embeddings", False) \
+        else sd  # tied weights are written once, under the source's name
+    folder.mkdir(parents=True)
+    save_file({k: v.to(torch_dtype).contiguous() for k, v in state.items()}, folder / "model.safetensors",
+              metadata={"format": "pt"})
+    config.dtype = torch_dtype
+    config.save_pretrained(folder)
+    if policy.generation_config is not None:
+        policy.generation_config.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(model_path).save_pretrained(folder)
+
+
+def _export_full(actor: Actor, out: Path, dtype: str, sd: dict[str, torch.Tensor]) -> Path:
+    tmp = out.with_name(out.name + ".tmp")
+    check_replaceable("learner.checkpoint.export_dir", out, "config.json")  # it is replaced whole
+
+    def write() -> None:
+        shutil.rmtree(tmp, ignore_errors=True)
+        _write_hf_folder(actor.policy, sd, tmp, dtype, actor.model_path)
+        _swap_in(tmp, out)  # a previous export stays whole until this one is
+
+    return _write_export(actor, write, tmp, out, dtype)

@@ -19,12 +19,14 @@ from pydantic import Field, model_validator
 from dgrpo.common.auth import AuthConfig
 from dgrpo.common.config import StrictConfig
 from dgrpo.common.model_config import ModelConfig
+from dgrpo.common.tracing import TracingConfig
 from dgrpo.learner.actor_config import ActorConfig, AlgorithmConfig, CheckpointConfig, OptimConfig
 from dgrpo.learner.data import DataConfig
 from dgrpo.learner.rollout import RolloutConfig
 from dgrpo.weights.config import WeightSyncConfig
+from dgrpo.weights.lora import LoraConfig
 
-Logger = Literal["console", "jsonl", "tensorboard", "wandb"]
+Logger = Literal["console", "jsonl", "tensorboard", "wandb", "mlflow"]
 
 
 class TrainerConfig(StrictConfig):
@@ -46,17 +48,55 @@ class TrainerConfig(StrictConfig):
     log_dir: str = "runs"
     """Metrics go to <log_dir>/<run_name>/: metrics.jsonl and TensorBoard event files."""
     loggers: list[Logger] = Field(default_factory=lambda: ["console", "jsonl"])
-    """Where metrics go. console: one progress line per step; jsonl: every metric, one line per step (both need
-    nothing beyond the default install). tensorboard: event files (`pip install 'dgrpo[tensorboard]'`); wandb:
-    Weights & Biases (`pip install 'dgrpo[wandb]'` and a login). A logger whose package is missing stops the learner
-    at start, naming it (learner/metrics.py, LOGGER_PACKAGES)."""
+    """Where metrics go (verl's `trainer.logger`). console: one progress line per step; jsonl: every metric, one line
+    per step (both need nothing beyond the default install). tensorboard: event files (`pip install
+    'dgrpo[tensorboard]'`); wandb: Weights & Biases (`pip install 'dgrpo[wandb]'`, then `wandb login`, or
+    WANDB_MODE=offline); mlflow: MLflow tracking (`pip install 'dgrpo[mlflow]'`; the server or folder in
+    MLFLOW_TRACKING_URI, else MLflow's default). A logger whose package is missing stops the learner at start,
+    naming it (learner/metrics.py, LOGGER_PACKAGES)."""
     wandb_project: str = "dgrpo"
-    """W&B project, with loggers including wandb."""
+    """W&B project, with loggers including wandb (the run is named `run_name`)."""
+    mlflow_experiment: str = "dgrpo"
+    """MLflow experiment, with loggers including mlflow (the run is named `run_name`)."""
+    log_completions: bool = False
+    """TRL's `log_completions`: each step, a table of prompts, completions, rewards per function and advantages,
+    printed on the console (with `rich`) and logged as a table to wandb (key `completions`) and mlflow (artifact
+    `completions/step_<N>.json`) when those loggers are on."""
+    num_completions_to_print: int | None = Field(default=None, ge=1)
+    """TRL's `num_completions_to_print`: rows of the console table, taken one per prompt before a second of any
+    prompt (unset: every completion of the step, as TRL). The wandb and mlflow tables hold every completion."""
+    rollout_data_dir: str | None = None
+    """verl's `trainer.rollout_data_dir`: write every trained completion of step N to `<dir>/<N>.jsonl`, one record
+    each (prompt, completion, reward and breakdown, advantage, status, versions, replica, ...; docs/learner.md,
+    "Rollout data"). Unset: nothing is written. Size: about prompt + completion characters + 0.6 kB per record,
+    train_batch_size x n records per step."""
+    validation_data_dir: str | None = None
+    """verl's `trainer.validation_data_dir`: each validation's greedy generations go to `<dir>/<step>.jsonl`,
+    records as in rollout_data_dir (advantage null)."""
+    log_val_generations: int = Field(default=0, ge=0)
+    """verl's `trainer.log_val_generations`: this many validation generations (the first prompts of val_files) go to
+    wandb (table `val/generations`) and mlflow (artifact `val/generations/step_<N>.json`) at each validation; 0:
+    none."""
+    rollout_data_max_chars: int = Field(default=8192, ge=16)
+    """Longest prompt, completion or message text a rollout record or completions table keeps (longer ones are cut,
+    the number of characters cut noted): bounds a record to about 3 x this + 1 kB."""
+    metrics_port: int | None = Field(default=None, ge=0, le=65535)
+    """Port of the learner's Prometheus `/metrics` endpoint (unset: none; 0: any free port, logged): step, phase
+    seconds, reward, sampling wait, staleness, publish seconds (`dgrpo_learner_*`, docs/learner.md)."""
+    metrics_host: str = "127.0.0.1"
+    """Address the metrics endpoint binds. Loopback by default; `0.0.0.0` for a Prometheus in another container or
+    host (it serves numbers only, and takes no token)."""
     control_host: str = "127.0.0.1"
     """Address the learner control service (Status, Stop; health and reflection) binds. Loopback by default: Stop
     ends the run, so bind `0.0.0.0` only together with a token (`auth.token_file` or DGRPO_TOKEN)."""
     control_port: int | None = Field(default=50053, ge=0, le=65535)
     """Port of the learner control service (0: any free port, logged; null: no control service)."""
+    on_end: Literal["exit", "idle"] = "exit"
+    """What the learner does once its run has ended (the last step, or the Stop RPC). exit: exit 0 (dgrpo up,
+    compose's `restart: on-failure`). idle: record the end in <log_dir>/<run_name>/ended.json and keep the control
+    service answering Status (phase done / stopped) until SIGTERM, for supervisors that restart every exit (a
+    Kubernetes StatefulSet): a restarted learner that finds the record trains nothing. A run ended by a signal
+    writes no record, so its restart resumes from the newest checkpoint. learner/run_end.py."""
 
 
 class LearnerConfig(StrictConfig):
@@ -74,6 +114,9 @@ class LearnerConfig(StrictConfig):
     """The GRPO objective: advantages, clipping, KL to the reference, off-policy corrections."""
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     """Checkpoints (save, resume) and the final export."""
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    """LoRA adapters instead of full fine-tuning (off by default; docs/lora.md). The samplers read it too: they serve
+    each published adapter with vLLM's LoRA support."""
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     """Length of training, validation, logging, control service."""
 
@@ -102,6 +145,8 @@ class LearnerRunConfig(StrictConfig):
     """`sampler.addresses`: the replicas the rollout client reaches."""
     auth: AuthConfig = Field(default_factory=AuthConfig)
     """`auth`: the token its clients send and its control service requires."""
+    tracing: TracingConfig = Field(default_factory=TracingConfig)
+    """`tracing`: where its step traces go (off by default)."""
     stack: dict[str, Any]
     """The whole resolved stack config (JSON types), written to the run's config.yaml and given to the metrics
     loggers, so a run records every service's settings, not only the learner's."""

@@ -32,13 +32,21 @@ class LoopState:
     metrics: dict[str, float] = field(default_factory=dict)
     stop_requested: bool = False
     stop_reason: str = ""
+    stopped_by_rpc: bool = False  # the operator's Stop, not a signal: the run is over (learner/run_end.py)
 
-    def request_stop(self, reason: str) -> None:
+    @property
+    def ended(self) -> bool:
+        return self.phase in ("done", "stopped")
+
+    def request_stop(self, reason: str, by_rpc: bool = False) -> None:
         """Any client may send the reason: it is kept and logged escaped and bounded (one line, 200 characters)."""
+        if self.ended:
+            return
         reason = printable(reason) if reason else "no reason given"
         if not self.stop_requested:
             log.info("stop requested (%s): finishing step %d first", reason, self.step + 1)
         self.stop_requested, self.stop_reason = True, reason
+        self.stopped_by_rpc = self.stopped_by_rpc or by_rpc
 
 
 class LearnerServicer(learner_pb2_grpc.LearnerServicer):
@@ -54,8 +62,8 @@ class LearnerServicer(learner_pb2_grpc.LearnerServicer):
         )
 
     async def Stop(self, request, context) -> learner_pb2.StopResponse:
-        self.state.request_stop(request.reason)
-        return learner_pb2.StopResponse(stopping_after_step=self.state.step + 1)
+        self.state.request_stop(request.reason, by_rpc=True)
+        return learner_pb2.StopResponse(stopping_after_step=self.state.step + (0 if self.state.ended else 1))
 
 
 async def start_control_server(state: LoopState, host: str, port: int,

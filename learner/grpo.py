@@ -22,15 +22,15 @@ from typing import Literal
 
 import torch
 
-Scale = Literal["group", "batch", "none"]
-Agg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
-AGGS: tuple[str, ...] = typing.get_args(Agg)
+from dgrpo.learner.actor_config import AdvantageScale, LossAgg, MaskedIS, OffPolicyCorrection
+
+AGGS: tuple[str, ...] = typing.get_args(LossAgg)
 
 # exp() of a log-ratio beyond this overflows or dominates the batch; verl clamps the same way.
 _LOG_RATIO_CLAMP = 20.0
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, scale: Scale = "group", eps: float = 1e-6,
+def group_advantages(rewards: torch.Tensor, group_size: int, scale: AdvantageScale = "group", eps: float = 1e-6,
                      valid: torch.Tensor | None = None) -> torch.Tensor:
     """Group-relative advantages; `rewards` is [N*G] with each group's G rewards contiguous.
 
@@ -64,7 +64,7 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: Scale = "gro
     return torch.where(flat, torch.zeros_like(adv), adv).view(-1)  # [N*G]
 
 
-def _masked_group_advantages(rewards: torch.Tensor, group_size: int, scale: Scale, eps: float,
+def _masked_group_advantages(rewards: torch.Tensor, group_size: int, scale: AdvantageScale, eps: float,
                              valid: torch.Tensor) -> torch.Tensor:
     """group_advantages over the valid rewards only (see there)."""
     if valid.shape != rewards.shape:
@@ -154,7 +154,21 @@ def off_policy_keep(
     return (keep.to(m.dtype) * m).detach()
 
 
-def aggregate(values: torch.Tensor, mask: torch.Tensor, agg: Agg = "token-mean", max_response_length: int | None = None):
+def off_policy_weights(correction: OffPolicyCorrection, proximal_logp: torch.Tensor, behaviour_logp: torch.Tensor,
+                       mask: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """`policy_loss`'s (is_weights, keep) for a correction, all [B, T]: truncated importance weights where it has a
+    cap, and with MaskedIS the keep mask; (None, None) without one."""
+    if correction is None:
+        return None, None
+    is_weights = truncated_is_weights(proximal_logp, behaviour_logp, correction.cap) if correction.cap else None
+    keep = None
+    if isinstance(correction, MaskedIS):
+        keep = off_policy_keep(proximal_logp, behaviour_logp, mask, correction.band, correction.level)
+    return is_weights, keep
+
+
+def aggregate(values: torch.Tensor, mask: torch.Tensor, agg: LossAgg = "token-mean",
+              max_response_length: int | None = None):
     """Token values [B, T] -> one scalar (verl's loss_agg_mode names; docs/peers.md maps TRL's loss_type onto them).
 
     token-mean:               sum_{b,t} m*v / sum_{b,t} m                  (DAPO; TRL "dapo"; every token weighs
@@ -197,7 +211,7 @@ def policy_loss(
     beta: float = 0.0,
     clip_low: float = 0.2,
     clip_high: float = 0.2,
-    agg: Agg = "token-mean",
+    agg: LossAgg = "token-mean",
     max_response_length: int | None = None,
     is_weights: torch.Tensor | None = None,
     keep: torch.Tensor | None = None,
@@ -252,24 +266,34 @@ def policy_loss(
 
     with torch.no_grad():
         m = mask.to(logp.dtype)
-
-        def token_mean(x: torch.Tensor) -> torch.Tensor:
-            return (x.to(m.dtype) * m).sum() / m.sum().clamp(min=1)
-
         stats = {
-            "clip_frac_low": token_mean((ratio < 1.0 - clip_low) & (adv < 0)),
-            "clip_frac_high": token_mean((ratio > 1.0 + clip_high) & (adv > 0)),
-            "ratio": token_mean(ratio),
-            "kl": token_mean(kl) if kl is not None else torch.zeros((), device=logp.device),
+            "clip_frac_low": _token_mean((ratio < 1.0 - clip_low) & (adv < 0), m),
+            "clip_frac_high": _token_mean((ratio > 1.0 + clip_high) & (adv > 0), m),
+            "ratio": _token_mean(ratio, m),
+            "kl": _token_mean(kl, m) if kl is not None else torch.zeros((), device=logp.device),
             "pg_loss": aggregate(pg, mask, agg, max_response_length).detach(),
         }
         if dual is not None:
-            stats["clip_frac_dual"] = token_mean(dual)
-        if is_weights is not None or keep is not None:
-            w = torch.ones_like(m) if is_weights is None else is_weights.to(m.dtype)
-            w = w if keep is None else w * keep  # [B, T] the weight each token's pg term carries
-            stats["is_weight_mean"] = token_mean(w)
-            stats["is_weight_max"] = torch.where(m.bool(), w, torch.zeros_like(w)).max()
-        if keep is not None:
-            stats["off_policy_masked_frac"] = token_mean(1.0 - keep)
+            stats["clip_frac_dual"] = _token_mean(dual, m)
+        stats.update(_correction_stats(is_weights, keep, m))
     return loss, stats
+
+
+def _token_mean(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """Mean over the real tokens (`m` [B, T], 1 on them) of `x` [B, T]."""
+    return (x.to(m.dtype) * m).sum() / m.sum().clamp(min=1)
+
+
+def _correction_stats(is_weights: torch.Tensor | None, keep: torch.Tensor | None,
+                      m: torch.Tensor) -> dict[str, torch.Tensor]:
+    """With an off-policy correction: the weight on each token's policy-gradient term (is_weights x keep) over the
+    real tokens, its mean and maximum, and with `keep` the fraction of tokens dropped."""
+    stats = {}
+    if is_weights is not None or keep is not None:
+        w = torch.ones_like(m) if is_weights is None else is_weights.to(m.dtype)
+        w = w if keep is None else w * keep  # [B, T] the weight each token's pg term carries
+        stats["is_weight_mean"] = _token_mean(w, m)
+        stats["is_weight_max"] = torch.where(m.bool(), w, torch.zeros_like(w)).max()
+    if keep is not None:
+        stats["off_policy_masked_frac"] = _token_mean(1.0 - keep, m)
+    return stats

@@ -16,15 +16,18 @@ import sys
 from pathlib import Path
 
 from dgrpo.common import preflight as pf
+from dgrpo.common import tracing
 from dgrpo.common.config import ConfigError
 from dgrpo.common.logs import setup_logging
+from dgrpo.learner import run_end
 from dgrpo.learner.config import LearnerRunConfig
 from dgrpo.learner.data import check_files
 from dgrpo.learner.metrics import check_loggers
 
 
 def output_needs(cfg: LearnerRunConfig) -> list[tuple[str, str, int, str]]:
-    """(key, folder, bytes, what) of everything the run writes: one checkpoint, the export, the metrics."""
+    """(key, folder, bytes, what) of everything the run writes: one checkpoint, the export, the metrics, the rollout
+    dumps (their size grows with the run: only writability is checked)."""
     lc = cfg.learner
     params = pf.parameter_count(_model_dir(cfg.model.path))
     ckpt = pf.checkpoint_bytes(params, lc.checkpoint.contents) if params else 0
@@ -34,6 +37,9 @@ def output_needs(cfg: LearnerRunConfig) -> list[tuple[str, str, int, str]]:
     if lc.checkpoint.export_dir:
         needs.append(("learner.checkpoint.export_dir", lc.checkpoint.export_dir,
                       pf.export_bytes(params, cfg.model.dtype) if params else 0, f"the export in {cfg.model.dtype}"))
+    for key in ("rollout_data_dir", "validation_data_dir"):
+        if getattr(lc.trainer, key):
+            needs.append((f"learner.trainer.{key}", getattr(lc.trainer, key), 0, "rollout records"))
     return needs
 
 
@@ -55,6 +61,7 @@ def preflight(cfg: LearnerRunConfig) -> None:
     """Everything that can be checked before torch is imported, so a typo or a full disk fails in a second."""
     check_files(cfg.learner.data)
     check_loggers(cfg.learner.trainer.loggers)
+    tracing.check(cfg.tracing)
     pf.check_space(output_needs(cfg))
     if cfg.learner.checkpoint.export_dir:
         pf.check_replaceable("learner.checkpoint.export_dir", cfg.learner.checkpoint.export_dir, "config.json")
@@ -79,7 +86,12 @@ def main(cfg: LearnerRunConfig) -> int:
     from dgrpo.learner.reward_client import RewardError
     from dgrpo.learner.rollout import RolloutError
 
+    ended = _ended_run(cfg)
+    if ended is not None:
+        return _idle(cfg, ended)
     trainer = Trainer(cfg)
+    if os.environ.get("RANK", "0") == "0":  # rank 0 drives the loop: its spans are the step's
+        tracing.init(cfg.tracing, "learner")
     try:
         trainer.setup()
         asyncio.run(_run(trainer))
@@ -97,8 +109,42 @@ def main(cfg: LearnerRunConfig) -> int:
         from dgrpo.learner.distributed import shutdown_distributed
 
         shutdown_distributed()
+        tracing.shutdown()  # the last step's spans are still queued
     log.info("training %s at step %d (weight version %d)",
              "stopped" if trainer.state.stop_requested else "finished", trainer.step_num, trainer.version)
+    state = trainer.state
+    if cfg.learner.trainer.on_end == "idle" and (state.phase == "done" or state.stopped_by_rpc):
+        return _idle(cfg, state)  # (the loop recorded the end)
+    return 0
+
+
+def _record(cfg: LearnerRunConfig) -> Path:
+    return run_end.record_path(cfg.learner.trainer.log_dir, cfg.learner.trainer.run_name)
+
+
+def _ended_run(cfg: LearnerRunConfig):
+    """With on_end: idle, the state of a run that already ended (finished, or stopped by the Stop RPC)."""
+    if cfg.learner.trainer.on_end != "idle":
+        return None
+    try:
+        state = run_end.read_record(_record(cfg))
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    if state is not None:
+        logging.getLogger("dgrpo.learner").info(
+            "run %s ended at step %d (%s%s; %s): serving Status until terminated. To train on, delete that file "
+            "(and raise learner.trainer.total_training_steps for a finished run), then restart the learner",
+            cfg.learner.trainer.run_name, state.step, state.phase,
+            f": {state.stop_reason}" if state.phase == "stopped" else "", _record(cfg))
+    return state
+
+
+def _idle(cfg: LearnerRunConfig, state) -> int:
+    """Rank 0 keeps the control service up until SIGTERM; the other ranks have nothing to serve and exit."""
+    if os.environ.get("RANK", "0") != "0":
+        return 0
+    tc = cfg.learner.trainer
+    asyncio.run(run_end.serve_until_terminated(state, tc.control_host, tc.control_port, cfg.auth.credentials()))
     return 0
 
 
@@ -115,8 +161,8 @@ async def _run(trainer) -> None:
         elif signals[0] > 2 or trainer.can_drop_step():
             task.cancel()  # drop the step in flight (the loop keeps the last completed step) / third: at once
         else:
-            logging.getLogger("dgrpo.learner").warning("%s while %s: the update finishes first (a third signal cancels at once)", signame,
-                        trainer.state.phase)
+            logging.getLogger("dgrpo.learner").warning(
+                "%s while %s: the update finishes first (a third signal cancels at once)", signame, trainer.state.phase)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig.name)

@@ -5,11 +5,12 @@ weight_sync, ...) and the slowest one is named on the console and in the logs. R
 so its phase is only the tail the loop waits for after the last group arrived; `reward/busy_s` (summed call time)
 tells how much scoring ran hidden under generation.
 
-Sinks: console (one progress line per step), JSONL (every metric, one object per line), TensorBoard event files,
-and Weights & Biases. The last two are optional installs: a logger whose package is missing is refused before the
-run starts (`check_loggers`), naming the key and the install line, instead of failing inside setup. A run resumed at step s continues the file and the event files as
-one clean run: the crashed run's records after step s are dropped first, since those steps run again (TensorBoard
-hides them through its purge_step); a run starting at step 0 starts both afresh.
+Sinks: console (one progress line per step), JSONL (every metric, one object per line), TensorBoard event files, Weights
+& Biases and MLflow; the last two also take the completions table (`log_table`). The last three are optional installs: a
+logger whose package is missing is refused before the run starts (`check_loggers`), naming the key and the install line,
+instead of failing inside setup. A run resumed at step s continues the file and the event files as one clean run: the
+crashed run's records after step s are dropped first, since those steps run again (TensorBoard hides them through its
+purge_step); a run starting at step 0 starts both afresh.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import math
 import os
+import re
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -25,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from dgrpo.common.config import ConfigError
+from dgrpo.v1 import sampler_pb2
 
 log = logging.getLogger("dgrpo.learner")
 
@@ -59,6 +63,14 @@ class StepTimer:
 ENDED_BY = ("answer", "max_assistant_turns", "max_tool_calls", "max_response_length", "abort")
 
 
+def memory_metrics() -> dict[str, float]:
+    """The learner process's peak resident memory so far (host RAM: the whole footprint on CPU; on accelerators the
+    host side only), what `dgrpo plan`'s learner total predicts on CPU (Linux reports ru_maxrss in KiB)."""
+    import resource
+
+    return {"memory/host_peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9}
+
+
 def multi_turn_metrics(completions: list) -> dict[str, float]:
     """Per-step figures of multi-turn trajectories (sampler_pb2.Completion with turn_stats; {} when none has them):
     turns and tool calls per sample, the share of samples that called a tool, tool errors and timeouts, time in tools
@@ -84,6 +96,90 @@ def multi_turn_metrics(completions: list) -> dict[str, float]:
     }
     for reason in ENDED_BY:
         out[f"multi_turn/ended_by/{reason}"] = sum(s.ended_by == reason for s in stats) / n
+    return out
+
+
+LENGTH = sampler_pb2.FINISH_REASON_LENGTH
+# Breakdown names that are 0/1 correctness checks: their mean is reported as the accuracy.
+ACCURACY_FUNCTIONS = ("math_verify", "exact_match", "accuracy", "correct")
+
+
+def rollout_metrics(scored: list, rewards: Any, *, group_size: int, version: int,
+                    reward_busy_s: float) -> dict[str, float]:
+    """A step's rollout figures (reward/, response/, prompt/, multi_turn/) from its scored groups (groups.ScoredGroup),
+    their rewards as a float32 tensor [B*G], the group size, the weight version being trained and the rewarder's busy
+    seconds for the batch."""
+    import torch  # (this module is imported before torch to check the loggers; a step's figures come later)
+
+    from dgrpo.learner.grpo import zero_std_fraction
+
+    finished = [c for sg in scored for c in sg.group.completions]
+    lengths = torch.tensor([len(c.token_ids) for c in finished], dtype=torch.float32)  # [B*G]
+    m = {
+        "reward/mean": rewards.mean().item(),
+        "reward/std": rewards.std().item() if rewards.numel() > 1 else 0.0,
+        "reward/max": rewards.max().item(),
+        "reward/min": rewards.min().item(),
+        "reward/frac_zero_std": zero_std_fraction(rewards, group_size),
+        "reward/errors": float(sum(len(sg.reward.errors) for sg in scored)),
+        "reward/no_reward": float(sum(sum(sg.reward.no_reward) for sg in scored)),
+        "reward/retries": float(sum(sg.reward.retries for sg in scored)),
+        "reward/busy_s": reward_busy_s,
+        # Which reward scored this step (a hot swap shows as a step up); min and max differ mid-swap.
+        "reward/spec_version_min": float(min(sg.reward.spec_version for sg in scored)),
+        "reward/spec_version_max": float(max(sg.reward.spec_version for sg in scored)),
+        "response/length_mean": lengths.mean().item(),
+        "response/length_max": lengths.max().item(),
+        "response/clip_frac": sum(c.finish_reason == LENGTH for c in finished) / len(finished),
+        "response/tokens": lengths.sum().item(),
+        "prompt/length_mean": sum(len(sg.record.token_ids) for sg in scored) / len(scored),
+        "rollout/stale_completions": float(sum(c.weight_version < version for c in finished)),
+    }
+    m.update(breakdown_means(scored, "reward"))
+    m.update(logged_metrics(scored))
+    m.update(multi_turn_metrics(finished))
+    return m
+
+
+def validation_metrics(scored: list, seconds: float) -> dict[str, float]:
+    """Mean reward of the greedy validation completions, per function too."""
+    rewards = [r for sg in scored for r in sg.reward.rewards]
+    metrics = {"val/reward_mean": sum(rewards) / len(rewards), "val/prompts": float(len(scored)),
+               "val/time_s": seconds}
+    metrics.update(breakdown_means(scored, "val"))
+    return metrics
+
+
+def throughput_metrics(times: dict[str, float], generated_tokens: float, trained_tokens: int) -> dict[str, float]:
+    """Tokens per second of the whole step, and of generation alone."""
+    return {
+        "perf/tokens_per_s": trained_tokens / times["time/step_s"],
+        "perf/generated_tokens_per_s": generated_tokens / max(times.get("time/generate_s", 0), 1e-9),
+    }
+
+
+def logged_metrics(scored: list) -> dict[str, float]:
+    """What reward functions logged with TRL's `log_metric`, averaged over the step's groups: reward/metric/<name>."""
+    values: dict[str, list[float]] = {}
+    for sg in scored:
+        for name, value in sg.reward.metrics.items():
+            values.setdefault(name, []).append(value)
+    return {f"reward/metric/{k}": sum(v) / len(v) for k, v in values.items()}
+
+
+def breakdown_means(scored: list, prefix: str) -> dict[str, float]:
+    """Mean of each reward function over the completions it scored; `accuracy` from a 0/1 correctness check."""
+    sums: dict[str, list[float]] = {}
+    for sg in scored:
+        for b in sg.reward.breakdown:
+            for name, value in b.items():
+                if math.isfinite(value):
+                    sums.setdefault(name, []).append(value)
+    out = {f"{prefix}/fn/{k}": sum(v) / len(v) for k, v in sums.items()}
+    for name in ACCURACY_FUNCTIONS:
+        if name in sums:
+            out[f"{prefix}/accuracy"] = sum(v > 0.5 for v in sums[name]) / len(sums[name])
+            break
     return out
 
 
@@ -145,6 +241,7 @@ def keep_records_through(path: Path, step: int) -> int:
 LOGGER_PACKAGES: dict[str, tuple[str, str]] = {
     "tensorboard": ("tensorboard", "pip install 'dgrpo[tensorboard]'"),
     "wandb": ("wandb", "pip install 'dgrpo[wandb]'"),
+    "mlflow": ("mlflow", "pip install 'dgrpo[mlflow]'"),
 }
 """Logger -> (module it imports, how to install it). console and jsonl need nothing beyond the default install."""
 
@@ -164,6 +261,11 @@ def check_loggers(loggers: list[str], key: str = "learner.trainer.loggers") -> N
                             for name, (module, install) in missing.items())
         raise ConfigError(f"{key}={list(loggers)}: {details}, which is not installed here. Install it, or drop "
                           f"{'it' if len(missing) == 1 else 'them'} from {key} (console and jsonl need nothing more)")
+    if "mlflow" in loggers and not os.environ.get("MLFLOW_TRACKING_URI") and importlib.util.find_spec(
+            "sqlalchemy") is None:
+        raise ConfigError(f"{key}={list(loggers)}: 'mlflow' has no tracking store: MLFLOW_TRACKING_URI is unset and "
+                          "MLflow's default (a sqlite file) needs the full `mlflow` package. Set MLFLOW_TRACKING_URI "
+                          "to your tracking server (http://host:5000), or `pip install mlflow`")
 
 
 class MetricsLogger:
@@ -173,7 +275,7 @@ class MetricsLogger:
     records after it are dropped, since those steps run again. None appends to whatever is there."""
 
     def __init__(self, loggers: list[str], out_dir: Path, run_name: str, config: dict, wandb_project: str = "dgrpo",
-                 start_step: int | None = None):
+                 start_step: int | None = None, mlflow_experiment: str = "dgrpo"):
         check_loggers(loggers)
         self.loggers, self.out_dir = set(loggers), out_dir
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -196,6 +298,13 @@ class MetricsLogger:
             import wandb
 
             self._wandb = wandb.init(project=wandb_project, name=run_name, config=config, resume="allow")
+        self._mlflow = None
+        if "mlflow" in self.loggers:
+            import mlflow
+
+            mlflow.set_experiment(mlflow_experiment)  # where: MLFLOW_TRACKING_URI (a server, or a file: folder)
+            self._mlflow = mlflow.start_run(run_name=run_name)
+            mlflow.log_dict(config, "config.yaml")  # the whole stack: more keys than MLflow's params allow
 
     def log(self, step: int, total: int, metrics: dict[str, float], bottleneck: str | None = None) -> None:
         if "console" in self.loggers and bottleneck is not None:
@@ -212,6 +321,23 @@ class MetricsLogger:
             self._tb.flush()
         if self._wandb is not None:
             self._wandb.log(dict(metrics), step=step)
+        if self._mlflow is not None:
+            import mlflow
+
+            mlflow.log_metrics({mlflow_key(k): v for k, v in metrics.items() if math.isfinite(v)}, step=step)
+
+    def log_table(self, step: int, columns: list[str], rows: list[list], key: str = "completions") -> None:
+        """A table (learner/completions_table.py) to the loggers that keep tables: W&B (under `key`: `completions`
+        as TRL logs it, `val/generations` as verl does) and MLflow (artifact <key>/step_<N>.json)."""
+        if self._wandb is not None:
+            import wandb
+
+            self._wandb.log({key: wandb.Table(columns=columns, data=rows)}, step=step)
+        if self._mlflow is not None:
+            import mlflow
+
+            mlflow.log_table({c: [row[i] for row in rows] for i, c in enumerate(columns)},
+                             artifact_file=f"{key}/step_{step}.json")
 
     def close(self) -> None:
         if self._jsonl is not None:
@@ -220,3 +346,13 @@ class MetricsLogger:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+        if self._mlflow is not None:
+            import mlflow
+
+            mlflow.end_run()
+
+
+def mlflow_key(key: str) -> str:
+    """A metric name MLflow accepts (letters, digits, `_ - . / ` and space): `rollout/groups_by_replica/host:50051`
+    becomes `rollout/groups_by_replica/host_50051`."""
+    return re.sub(r"[^\w\-./ ]", "_", key)

@@ -24,13 +24,13 @@ from typing import Any
 
 from dgrpo.learner.data import PromptRecord, PromptStream
 
-# sample_and_score(batch, step, min_version) -> (scored groups in batch order, RolloutStats, reward busy seconds)
-SampleAndScore = Callable[[list[PromptRecord], int, int], Awaitable[tuple[list[Any], Any, float]]]
+# collect(batch, step, min_version) -> (scored groups in batch order, RolloutStats, reward busy seconds)
+Collect = Callable[[list[PromptRecord], int, int], Awaitable[tuple[list[Any], Any, float]]]
 
 
 def first_version(completion) -> int:
     """The oldest weight version that may have produced a completion's tokens (Completion.first_weight_version;
-    samplers older than that field send only the version at completion)."""
+    unset, only the version at completion is known)."""
     return completion.first_weight_version if completion.HasField("first_weight_version") else \
         completion.weight_version
 
@@ -65,10 +65,10 @@ class Taken:
 class RolloutPipeline:
     """Keeps the next `max_staleness` batches in flight ahead of the update."""
 
-    def __init__(self, data: PromptStream, sample_and_score: SampleAndScore, max_staleness: int):
+    def __init__(self, data: PromptStream, collect: Collect, max_staleness: int):
         if max_staleness < 1:
             raise ValueError("the pipeline is for max_staleness >= 1 (0 is the lockstep loop)")
-        self.data, self.sample_and_score, self.k = data, sample_and_score, max_staleness
+        self.data, self.collect, self.k = data, collect, max_staleness
         self.in_flight: deque[InFlight] = deque()
         self._abandoned: list[asyncio.Task] = []
 
@@ -81,7 +81,7 @@ class RolloutPipeline:
             min_version = max(0, version + (step - next_step) - self.k)
             data_before = self.data.state_dict()
             batch = self.data.next_batch()
-            task = asyncio.create_task(self.sample_and_score(batch, step, min_version), name=f"rollout-step-{step}")
+            task = asyncio.create_task(self.collect(batch, step, min_version), name=f"rollout-step-{step}")
             self.in_flight.append(InFlight(step, batch, data_before, min_version, task))
 
     async def take(self, step: int, version: int) -> Taken:
@@ -96,9 +96,8 @@ class RolloutPipeline:
         stale = [i for i, sg in enumerate(scored) if min(map(first_version, sg.group.completions)) < floor]
         if stale:  # by min_weight_version this cannot happen; a replica that lost its weights would be caught here
             # the stale groups' own prompts (with dynamic sampling a group may come from a replacement prompt)
-            again, stats_again, busy_again = await self.sample_and_score([scored[i].record for i in stale], step,
-                                                                         version)
-            for i, sg in zip(stale, again):
+            again, stats_again, busy_again = await self.collect([scored[i].record for i in stale], step, version)
+            for i, sg in zip(stale, again, strict=True):
                 scored[i] = sg
             busy += busy_again
             stats.merge(stats_again)

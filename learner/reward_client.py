@@ -3,9 +3,10 @@
 Each group is sent as soon as the sampler streams it, so scoring overlaps the generation of the other groups. The
 rewarder may go away and come back while training runs (a restart, a hot swap to a new process): calls wait for the
 channel to be ready (`wait_for_ready`) and are retried on UNAVAILABLE with backoff, bounded by
-`rollout.reward_timeout_s` per group. A rewarder that hangs without an error (a frozen process, dropped packets)
-misses the channel's keepalive pings, so its calls fail within seconds and are retried the same way. Requests the rewarder rejects (INVALID_ARGUMENT, FAILED_PRECONDITION) stop the
-run with the rewarder's message: retrying the same input cannot help.
+`rollout.reward_timeout_s` per group. A rewarder that hangs without an error (a frozen process, dropped packets) misses
+the channel's keepalive pings, so its calls fail within seconds and are retried the same way. Requests the rewarder
+rejects (INVALID_ARGUMENT, FAILED_PRECONDITION) stop the run with the rewarder's message: retrying the same input cannot
+help.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 import grpc
 from google.protobuf import struct_pb2
 
-from dgrpo.common import auth
+from dgrpo.common import auth, tracing
 from dgrpo.common.grpc_server import keepalive_options
 from dgrpo.common.retry import Backoff
 from dgrpo.learner.rollout import CLIENT_OPTIONS
@@ -116,9 +117,19 @@ class RewardClient:
         """Score one group; retried until `timeout_s` while the rewarder is away. `trainer_state` reaches the reward
         functions as TRL's `trainer_state` (the step they shape rewards by)."""
         deadline = time.monotonic() + self.timeout_s
-        backoff, retries = Backoff(self.retry_backoff_s, self.max_backoff_s), 0
         request = rewarder_pb2.ScoreRequest(groups=[group], group_size=len(group.completions),
                                             trainer_state=trainer_state)
+        span = tracing.client_span("Score", prompt_id=group.prompt_id, completions=len(group.completions))
+        try:
+            response, retries = await self._score_call(request, group, deadline, span.metadata)
+        finally:
+            span.end()
+        return self._to_reward(group, response, retries)
+
+    async def _score_call(self, request: rewarder_pb2.ScoreRequest, group: rewarder_pb2.ScoreGroup, deadline: float,
+                          metadata) -> tuple[rewarder_pb2.ScoreResponse, int]:
+        """The Score call, retried while the rewarder is away; (response, retries)."""
+        backoff, retries = Backoff(self.retry_backoff_s, self.max_backoff_s), 0
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -126,8 +137,9 @@ class RewardClient:
                                   f"rollout.reward_timeout_s={self.timeout_s:g}s ({retries} retries)")
             try:
                 # wait_for_ready: while the rewarder restarts the call waits for it instead of failing at once.
-                response = await self._stub.Score(request, timeout=remaining, wait_for_ready=True)
-                break
+                response = await self._stub.Score(request, timeout=remaining, wait_for_ready=True,
+                                                  metadata=metadata)
+                return response, retries
             except grpc.aio.AioRpcError as e:
                 if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                     continue  # the loop's deadline check raises with the full story
@@ -138,7 +150,6 @@ class RewardClient:
                 log.warning("rewarder %s: %s (%s); retrying group %r in %.1fs", self.address, e.code().name,
                             e.details(), group.prompt_id, backoff.delay)
                 await backoff.wait(limit=deadline - time.monotonic())
-        return self._to_reward(group, response, retries)
 
     @staticmethod
     def _to_reward(group: rewarder_pb2.ScoreGroup, response: rewarder_pb2.ScoreResponse, retries: int) -> GroupReward:
@@ -149,17 +160,17 @@ class RewardClient:
             raise RewardError(f"rewarder sent {len(scores)} scores for {len(group.completions)} completions")
         valid = [s.status == rewarder_pb2.SCORE_STATUS_OK and math.isfinite(s.reward) for s in scores]
         no_reward = [s.status == rewarder_pb2.SCORE_STATUS_NO_REWARD for s in scores]
-        good = [s.reward for s, ok in zip(scores, valid) if ok]
+        good = [s.reward for s, ok in zip(scores, valid, strict=True) if ok]
         # A failed completion takes the group mean: it then has advantage ~0 and, being masked, no effect on
         # the other completions' advantages beyond keeping the group size fixed.
         fill = sum(good) / len(good) if good else 0.0
         return GroupReward(
-            rewards=[s.reward if ok else fill for s, ok in zip(scores, valid)],
+            rewards=[s.reward if ok else fill for s, ok in zip(scores, valid, strict=True)],
             valid=valid,
             breakdown=[dict(s.breakdown) for s in scores],
             spec=_spec_name(response.spec),
             spec_version=response.spec.version,
-            errors=[s.message for s, ok, none in zip(scores, valid, no_reward) if not ok and not none],
+            errors=[s.message for s, ok, none in zip(scores, valid, no_reward, strict=True) if not ok and not none],
             retries=retries,
             no_reward=no_reward,
             metrics=dict(response.groups[0].metrics),

@@ -6,7 +6,8 @@ are handed to the caller at once (scoring overlaps generation). When a call fail
 or not reaching `min_weight_version` in time — the prompts of that call that have not arrived yet go back on the
 queue and another replica (or the same one, after an exponential backoff) samples them. A prompt is considered
 done when its group arrives, and a group is accepted only for a prompt still pending, so no group is ever lost
-or duplicated.
+or duplicated. A replica that hangs is found by keepalive and progress checks (learner/replica_health.py); a
+straggler's prompts are duplicated on a faster replica, the first complete group wins (learner/stragglers.py).
 
 Replicas: `sampler.addresses` holds host:port entries, or `dns:///name:port` entries that resolve to every replica
 (`docker compose --scale sampler=3` gives one A record per container). Names are re-resolved every step, so
@@ -20,18 +21,18 @@ import logging
 import math
 import socket
 import time
-from collections import Counter
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
 
 import grpc
 from pydantic import Field
 
-from dgrpo.common import auth
+from dgrpo.common import auth, tracing
 from dgrpo.common.config import StrictConfig
 from dgrpo.common.grpc_server import CHANNEL_OPTIONS, keepalive_options
 from dgrpo.common.retry import Backoff
 from dgrpo.learner.replica_health import Progress, ReplicaHealth
+from dgrpo.learner.rollout_batch import Batch, Call, RolloutStats
+from dgrpo.learner.stragglers import StepRates
 from dgrpo.tools.config import MultiTurnConfig
 from dgrpo.v1 import sampler_pb2, sampler_pb2_grpc
 
@@ -93,11 +94,24 @@ class RolloutConfig(StrictConfig):
     probe_timeout_s: float = Field(default=5.0, gt=0)
     """Bound on one Info probe: of a quiet call's replica, and of an unhealthy replica before it gets prompts
     again (it must answer with the weight version asked for)."""
-    hedge_after_s: float | None = Field(default=10.0, gt=0)
-    """Hedged requests ("The Tail at Scale", Dean & Barroso 2013): a replica left with nothing to do for this long
-    while another still holds prompts of the step duplicates those prompts; the first complete group wins, the
-    late one is dropped (rollout/duplicates_dropped) and a call whose prompts are all done elsewhere is cancelled.
-    A straggler then no longer sets every step's pace. null: never hedge."""
+    hedge_after_s: float | None = Field(default=2.0, gt=0)
+    """Hedged requests ("The Tail at Scale", Dean & Barroso 2013): a replica left with nothing to do while another
+    still holds prompts of the step duplicates those prompts once it has waited this long and at least
+    `hedge_after_share` of the batch's sampling time so far; the first complete group wins, the late one is dropped
+    (rollout/duplicates_dropped) and a call whose prompts are all done elsewhere is cancelled. A straggler then no
+    longer sets every step's pace. null: never hedge."""
+    hedge_after_share: float = Field(default=0.25, ge=0)
+    """The idle wait before a hedge, as a share of the time the batch has been sampling: replicas of equal speed
+    finish their chunks within a fraction of each other, so only one at least this much slower than the idle
+    replica is hedged, at every batch length (seconds on a small model, minutes on a large one). 0: `hedge_after_s`
+    alone."""
+    straggler_speed: float | None = Field(default=0.5, gt=0, lt=1)
+    """A replica holding prompts whose engine steps slower than this share of the fastest replica's, at two checks
+    in a row, is a straggler: its pending prompts are hedged at once on the fastest healthy replica, busy or not
+    (its engine batches them with its own work), instead of after that replica has finished its chunk and waited
+    `hedge_after_s` (learner/stragglers.py). null: hedge from idle replicas only. Off with `hedge_after_s: null`."""
+    straggler_check_s: float = Field(default=0.25, gt=0)
+    """How often the engine step counters (Info's engine_steps) of the replicas holding prompts are read."""
     max_staleness: int = Field(default=0, ge=0, le=16)
     """Asynchronous GRPO (learner/pipeline.py): how many versions behind the policy being updated a sample may
     be. 0: lockstep, on-policy (sample, then train, then publish). k >= 1: batches t+1 ... t+k are sampled and
@@ -137,54 +151,6 @@ class _StreamEnded(Exception):
     """A Generate stream ended cleanly but without every group it owed (retryable)."""
 
 
-@dataclass
-class RolloutStats:
-    """What one `generate` call went through (logged under rollout/ in the metrics)."""
-
-    calls: int = 0
-    failed_calls: int = 0
-    retried_prompts: int = 0
-    duplicates_dropped: int = 0
-    replicas: int = 0
-    groups_by_replica: Counter = field(default_factory=Counter)
-    hedged_prompts: int = 0
-    """Prompts duplicated on an idle replica while a straggler held them."""
-    stuck_calls: int = 0
-    """Calls given up because their replica stopped making progress (no group, no engine step, no Info answer)."""
-    unhealthy_replicas: set[str] = field(default_factory=set)
-    """Replicas that were given no prompts for a while during this call (failed, stuck, or still away)."""
-    lost_wait_s: float = 0.0
-    """Seconds calls waited on replicas that then failed or were declared stuck (from their last group on)."""
-
-    def merge(self, other: RolloutStats) -> None:
-        """Add another call's counts (a batch sampled in two parts)."""
-        self.calls += other.calls
-        self.failed_calls += other.failed_calls
-        self.retried_prompts += other.retried_prompts
-        self.duplicates_dropped += other.duplicates_dropped
-        self.replicas = max(self.replicas, other.replicas)
-        self.groups_by_replica.update(other.groups_by_replica)
-        self.hedged_prompts += other.hedged_prompts
-        self.stuck_calls += other.stuck_calls
-        self.unhealthy_replicas |= other.unhealthy_replicas
-        self.lost_wait_s += other.lost_wait_s
-
-    def as_metrics(self) -> dict[str, float]:
-        return {
-            "rollout/calls": self.calls,
-            "rollout/failed_calls": self.failed_calls,
-            "rollout/retried_prompts": self.retried_prompts,
-            "rollout/duplicates_dropped": self.duplicates_dropped,
-            "rollout/hedged_prompts": self.hedged_prompts,
-            "rollout/stuck_calls": self.stuck_calls,
-            "rollout/unhealthy_replicas": len(self.unhealthy_replicas),
-            "rollout/lost_wait_s": self.lost_wait_s,
-            "rollout/replicas": self.replicas,
-            # How the load balanced out: groups each replica delivered this step.
-            **{f"rollout/groups_by_replica/{rid}": float(n) for rid, n in sorted(self.groups_by_replica.items())},
-        }
-
-
 def resolve_addresses(addresses: Sequence[str]) -> list[str]:
     """host:port entries as they are; `dns:///name:port` (or `dns://server/name:port`) -> every address it holds."""
     out: list[str] = []
@@ -210,47 +176,19 @@ def make_prompt(prompt_id: str, token_ids: Sequence[int]) -> sampler_pb2.Prompt:
     return sampler_pb2.Prompt(id=prompt_id, token_ids=sampler_pb2.TokenIds(ids=list(token_ids)))
 
 
-@dataclass
-class _Call:
-    """One Generate call in flight: what it was given, and when it last made progress."""
-
-    address: str
-    chunk: list[str]
-    last_progress: float
-    hedge: bool = False
-    """A duplicate of prompts another replica holds."""
-    delivered: int = 0
-    """Groups of the chunk this call delivered first."""
-    last_checked: float = 0.0
-    """When its replica's progress was last checked (time.monotonic())."""
-
-
-@dataclass
-class _Batch:
-    """The shared state of one `generate`: prompts not yet delivered, chunks to take, calls in flight."""
-
-    pending: dict[str, sampler_pb2.Prompt]
-    queue: asyncio.Queue
-    out: asyncio.Queue
-    stats: RolloutStats
-    sampling: sampler_pb2.SamplingParams
-    min_weight_version: int
-    calls: list[_Call] = field(default_factory=list)
-    hedged: set[str] = field(default_factory=set)
-    done: bool = False
-    """Every group is in (or the step gave up): workers stop at their next turn, even one whose cancellation a
-    library swallowed (a wait_for racing its own timeout before Python 3.12, a gRPC call cancelled as it ends)."""
-
-    def hedge_for(self, address: str) -> list[str]:
-        """Prompts a straggler holds that an idle `address` may duplicate (each prompt hedged at most once)."""
-        held = [c for c in self.calls if c.address != address and not c.hedge]
-        held.sort(key=lambda c: c.last_progress)  # the quietest call first
-        for call in held:
-            prompts = [pid for pid in call.chunk if pid in self.pending and pid not in self.hedged]
-            if prompts:
-                self.hedged.update(prompts)
-                return prompts
-        return []
+def sampling_params(cfg: RolloutConfig, *, greedy: bool = False, step: int | None = None) -> sampler_pb2.SamplingParams:
+    """A rollout's SamplingParams: the config's, or greedy (one completion, temperature 0) for validation. With
+    rollout.seed set, training step `step` samples with seed + step - 1: each step differently, a resume
+    reproducibly."""
+    params = sampler_pb2.SamplingParams(
+        n=1 if greedy else cfg.n, temperature=0.0 if greedy else cfg.temperature, max_tokens=cfg.max_response_length,
+        stop=cfg.stop,
+    )
+    if not greedy:
+        params.top_p, params.top_k, params.min_p = cfg.top_p, cfg.top_k, cfg.min_p
+        if cfg.seed is not None and step is not None:
+            params.seed = cfg.seed + step - 1
+    return params
 
 
 class RolloutClient:
@@ -267,6 +205,7 @@ class RolloutClient:
         # Probes wait (within their timeout) for a channel that is reconnecting, e.g. after a partition healed.
         self.health = ReplicaHealth(lambda address, timeout: self.info(address, timeout, wait_for_ready=True),
                                     cfg.probe_timeout_s, cfg.retry_backoff_s, cfg.max_backoff_s)
+        self._straggler_suspects: set[str] = set()  # learner/stragglers.py
 
     def _stub(self, address: str) -> sampler_pb2_grpc.SamplerStub:
         if address not in self._channels:
@@ -307,12 +246,14 @@ class RolloutClient:
         stats.unhealthy_replicas |= set(self.health.away) & set(replicas)
         healthy = [a for a in replicas if self.health.is_healthy(a)] or replicas
         size = self.cfg.prompts_per_request or math.ceil(len(prompts) / len(healthy))
-        batch = _Batch({p.id: p for p in prompts}, asyncio.Queue(), asyncio.Queue(), stats, sampling,
-                       min_weight_version)
+        batch = Batch({p.id: p for p in prompts}, asyncio.Queue(), asyncio.Queue(), stats, sampling,
+                       min_weight_version, replicas=replicas)
         ids = [p.id for p in prompts]
         for i in range(0, len(ids), size):
             batch.queue.put_nowait(ids[i : i + size])
         workers = [asyncio.create_task(self._worker(a, batch)) for a in replicas]
+        if self.cfg.hedge_after_s is not None and self.cfg.straggler_speed is not None and len(replicas) > 1:
+            workers.append(asyncio.create_task(self._watch_stragglers(batch)))
         deadline = time.monotonic() + self.cfg.step_timeout_s
         try:
             for _ in range(len(prompts)):
@@ -330,31 +271,39 @@ class RolloutClient:
                 yield item
         finally:
             batch.done = True
-            for w in workers:
-                w.cancel()
-            await asyncio.gather(*workers, return_exceptions=True)
+            tasks = [*workers, *batch.tasks]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _next_chunk(self, address: str, batch: _Batch) -> tuple[list[str], bool]:
-        """A chunk from the queue, or, after `hedge_after_s` with the queue empty, a straggler's prompts to
-        duplicate. Returns (prompt ids, hedge?)."""
+    async def _next_chunk(self, address: str, batch: Batch) -> tuple[list[str], bool]:
+        """A chunk from the queue, or, once idle for `_hedge_delay`, a straggler's prompts to duplicate.
+        Returns (prompt ids, hedge?)."""
+        idle_since = time.monotonic()
         while not batch.done:
             if self.cfg.hedge_after_s is None:
                 return await batch.queue.get(), False
+            wait = self._hedge_delay(batch) - (time.monotonic() - idle_since)
             try:
-                return await asyncio.wait_for(batch.queue.get(), timeout=self.cfg.hedge_after_s), False
+                return await asyncio.wait_for(batch.queue.get(), timeout=max(wait, 0.01)), False
             except asyncio.TimeoutError:
+                if time.monotonic() - idle_since < self._hedge_delay(batch):
+                    continue  # the batch grew older while this replica waited: so did the delay
                 prompts = batch.hedge_for(address)
                 if prompts:
                     batch.stats.hedged_prompts += len(prompts)
                     log.info("sampler %s is idle while another replica holds %d prompts: hedging them here",
                              address, len(prompts))
                     return prompts, True
+                idle_since = time.monotonic()  # nothing to hedge now: wait a whole delay again
         return [], False
 
-    async def _worker(self, address: str, batch: _Batch) -> None:
+    def _hedge_delay(self, batch: Batch) -> float:
+        return max(self.cfg.hedge_after_s or 0.0, self.cfg.hedge_after_share * (time.monotonic() - batch.started))
+
+    async def _worker(self, address: str, batch: Batch) -> None:
         """One replica's loop: wait until it is healthy, take a chunk (or hedge one), stream its groups; on
         failure put the prompts still pending back on the queue and mark the replica unhealthy."""
-        stub = self._stub(address)
         while not batch.done:
             if not self.health.is_healthy(address):
                 batch.stats.unhealthy_replicas.add(address)
@@ -364,37 +313,89 @@ class RolloutClient:
             chunk = [pid for pid in chunk if pid in batch.pending]
             if not chunk:
                 continue
-            request = sampler_pb2.GenerateRequest(
-                prompts=[batch.pending[pid] for pid in chunk],
-                sampling=batch.sampling,
-                min_weight_version=batch.min_weight_version,
-                weight_wait_timeout_s=self.cfg.weight_wait_timeout_s,
-                multi_turn=self.multi_turn,
-            )
-            batch.stats.calls += 1
-            call = _Call(address, chunk, time.monotonic(), hedge)
-            batch.calls.append(call)
-            grpc_call = stub.Generate(request, timeout=self.cfg.request_timeout_s)
-            try:
-                await self._stream(grpc_call, call, batch)
-            except grpc.aio.AioRpcError as e:
-                if e.code() in FATAL_CODES:
-                    batch.out.put_nowait(RolloutError(f"replica {address} rejected the request: {e.code().name}: "
-                                                      f"{e.details()}"))
-                    return
-                self._give_back(call, batch, f"{e.code().name}: {e.details()}")
-            except (_StreamEnded, _Stuck) as e:
-                self._give_back(call, batch, str(e))
-            except Exception as e:  # noqa: BLE001 (anything else is a bug: surface it rather than hang the step)
-                batch.out.put_nowait(e)
+            if not await self._call(address, chunk, hedge, batch):
                 return
-            finally:
-                batch.calls.remove(call)
-                # A worker cancelled mid-stream (the step is over or failed) aborts its engine requests, and so
-                # does a call whose prompts were all delivered by a hedge.
-                grpc_call.cancel()
 
-    async def _stream(self, grpc_call, call: _Call, batch: _Batch) -> None:
+    async def _call(self, address: str, chunk: list[str], hedge: bool, batch: Batch) -> bool:
+        """One Generate call of `chunk` on `address`, its groups delivered as they come. On a retryable failure the
+        prompts still pending go back on the queue and the replica is marked unhealthy; False when the step must
+        stop (the error is handed to the caller)."""
+        request = sampler_pb2.GenerateRequest(
+            prompts=[batch.pending[pid] for pid in chunk],
+            sampling=batch.sampling,
+            min_weight_version=batch.min_weight_version,
+            weight_wait_timeout_s=self.cfg.weight_wait_timeout_s,
+            multi_turn=self.multi_turn,
+        )
+        batch.stats.calls += 1
+        call = Call(address, chunk, time.monotonic(), hedge)
+        batch.calls.append(call)
+        span = tracing.client_span("Generate", replica=address, prompts=len(chunk), hedge=hedge,
+                                   min_weight_version=batch.min_weight_version)
+        grpc_call = self._stub(address).Generate(request, timeout=self.cfg.request_timeout_s, metadata=span.metadata)
+        try:
+            await self._stream(grpc_call, call, batch)
+        except grpc.aio.AioRpcError as e:
+            if e.code() in FATAL_CODES:
+                batch.out.put_nowait(RolloutError(f"replica {address} rejected the request: {e.code().name}: "
+                                                  f"{e.details()}"))
+                return False
+            self._give_back(call, batch, f"{e.code().name}: {e.details()}")
+        except (_StreamEnded, _Stuck) as e:
+            self._give_back(call, batch, str(e))
+        except Exception as e:  # noqa: BLE001 (anything else is a bug: surface it rather than hang the step)
+            batch.out.put_nowait(e)
+            return False
+        finally:
+            batch.calls.remove(call)
+            # A call cancelled mid-stream (the step is over or failed) aborts its engine requests, and so does a
+            # call whose prompts were all delivered by a hedge.
+            grpc_call.cancel()
+            span.end(groups=call.delivered)
+        return True
+
+    async def _watch_stragglers(self, batch: Batch) -> None:
+        """Every `straggler_check_s`, the engine steps of the replicas holding prompts; a straggler's pending
+        prompts are hedged on the fastest healthy replica (learner/stragglers.py)."""
+        rates = StepRates(self.cfg.straggler_speed, suspects=self._straggler_suspects)
+        try:
+            # The first reading as soon as the calls are out, so that the first rates come one period after they start.
+            wait = min(0.1, self.cfg.straggler_check_s)
+            while not batch.done:
+                await asyncio.sleep(wait)
+                wait = self.cfg.straggler_check_s
+                holders = batch.holders()
+                read = sorted(holders | rates.watched())
+                answers = await asyncio.gather(*(self.info(a, self.cfg.straggler_check_s) for a in read),
+                                               return_exceptions=True)
+                steps = {a: None if isinstance(info, BaseException) else info.engine_steps
+                         for a, info in zip(read, answers, strict=True)}
+                for straggler in rates.observe(time.monotonic(), steps, holders):
+                    target = self._hedge_target(batch, rates, exclude=straggler)
+                    prompts = batch.hedge_from(straggler) if target else []
+                    if prompts:
+                        batch.stats.hedged_prompts += len(prompts)
+                        log.info("sampler %s steps at %.1f/s, %s at %.1f/s: hedging its %d pending prompts there",
+                                 straggler, rates.rates.get(straggler, 0.0), target, rates.rates.get(target, 0.0),
+                                 len(prompts))
+                        task = asyncio.create_task(self._call(target, prompts, True, batch))
+                        batch.tasks.add(task)
+                        task.add_done_callback(batch.tasks.discard)
+        finally:
+            self._straggler_suspects = rates.next_suspects()
+
+    def _hedge_target(self, batch: Batch, rates: StepRates, exclude: str) -> str | None:
+        """The healthy replica to duplicate a straggler's prompts on: one holding nothing first, then the fastest;
+        never one already running a hedge, nor one slow itself."""
+        running_hedge = {c.address for c in batch.calls if c.hedge}
+        best = max(rates.rates.values(), default=0.0)
+        candidates = [a for a in batch.replicas if a != exclude and a not in running_hedge
+                      and self.health.is_healthy(a) and rates.rates.get(a, best) >= rates.slower_than * best]
+        holders = batch.holders()
+        candidates.sort(key=lambda a: (a in holders, -rates.rates.get(a, 0.0)))
+        return candidates[0] if candidates else None
+
+    async def _stream(self, grpc_call, call: Call, batch: Batch) -> None:
         """Deliver the call's groups as they come; return when it has nothing pending left. A reader task feeds a
         queue, so waiting for the next group can time out (for the progress check) without cancelling the RPC."""
         arrived: asyncio.Queue = asyncio.Queue()
@@ -428,7 +429,7 @@ class RolloutClient:
         finally:
             reader.cancel()
 
-    def _deliver(self, group: sampler_pb2.Group, call: _Call, batch: _Batch) -> None:
+    def _deliver(self, group: sampler_pb2.Group, call: Call, batch: Batch) -> None:
         if group.prompt_id not in batch.pending:
             # A hedge and its straggler both finished it (or a retried prompt raced its first call): keep the first.
             batch.stats.duplicates_dropped += 1
@@ -441,7 +442,7 @@ class RolloutClient:
         batch.stats.groups_by_replica[group.replica_id or call.address] += 1
         batch.out.put_nowait(group)
 
-    def _give_back(self, call: _Call, batch: _Batch, why: str) -> None:
+    def _give_back(self, call: Call, batch: Batch, why: str) -> None:
         """A failed or stuck call: its pending prompts go back on the queue, its replica is marked unhealthy."""
         missing = [pid for pid in call.chunk if pid in batch.pending]
         batch.stats.failed_calls += 1

@@ -62,6 +62,17 @@ def _reference_column(kwargs: dict, field: str, n: int) -> list:
     return column
 
 
+def _against_references(kwargs: dict, field: str, completions: list,
+                        score: Callable[[str, str], float | None]) -> list[float | None]:
+    """`score(completion text, reference text)` per completion; None (not applicable) where the reference is None."""
+    refs = _reference_column(kwargs, field, len(completions))
+    out: list[float | None] = []
+    for completion, ref in zip(completions, refs, strict=True):
+        ref_text = reference_text(ref)
+        out.append(None if ref_text is None else score(completion_text(completion), ref_text))
+    return out
+
+
 def last_answer_tag(text: str) -> str | None:
     found = _ANSWER_TAG.findall(text)
     return found[-1] if found else None
@@ -89,52 +100,40 @@ def math_verify_reward(cfg: MathVerifyFunction) -> RewardFn:
     configs = [LatexExtractionConfig(), ExprExtractionConfig()]
 
     def math_verify(prompts, completions, **kwargs) -> list[float | None]:
-        refs = _reference_column(kwargs, cfg.field, len(completions))
         gold_cache: dict[str, list] = {}
-        out: list[float | None] = []
-        for completion, ref in zip(completions, refs):
-            ref_text = reference_text(ref)
-            if ref_text is None:
-                out.append(None)
-                continue
+
+        def score(text: str, ref_text: str) -> float | None:
             if ref_text not in gold_cache:
                 gold_cache[ref_text] = parse(ref_text, extraction_config=configs)
             gold = gold_cache[ref_text]
             if not gold:
-                out.append(None)
-                continue
-            text = completion_text(completion)
+                return None
             if cfg.answer_tag:
                 text = last_answer_tag(text) or text
             answer = parse(text, extraction_config=configs)
-            out.append(1.0 if answer and verify(gold, answer) else 0.0)
-        return out
+            return 1.0 if answer and verify(gold, answer) else 0.0
+
+        return _against_references(kwargs, cfg.field, completions, score)
 
     return math_verify
 
 
 def exact_match_reward(cfg: ExactMatchFunction) -> RewardFn:
+    def score(text: str, ref_text: str) -> float:
+        found: str | None = text
+        if cfg.extract == "answer_tag":
+            found = last_answer_tag(text)
+        elif cfg.extract == "last_line":
+            lines = [line for line in text.splitlines() if line.strip()]
+            found = lines[-1] if lines else ""
+        if found is None:
+            return 0.0
+        if cfg.normalize:
+            return float(normalize(found) == normalize(ref_text))
+        return float(found.strip() == ref_text.strip())
+
     def exact_match(prompts, completions, **kwargs) -> list[float | None]:
-        refs = _reference_column(kwargs, cfg.field, len(completions))
-        out: list[float | None] = []
-        for completion, ref in zip(completions, refs):
-            ref_text = reference_text(ref)
-            if ref_text is None:
-                out.append(None)
-                continue
-            text = completion_text(completion)
-            if cfg.extract == "answer_tag":
-                text = last_answer_tag(text)
-            elif cfg.extract == "last_line":
-                lines = [line for line in text.splitlines() if line.strip()]
-                text = lines[-1] if lines else ""
-            if text is None:
-                out.append(0.0)
-            elif cfg.normalize:
-                out.append(float(normalize(text) == normalize(ref_text)))
-            else:
-                out.append(float(text.strip() == ref_text.strip()))
-        return out
+        return _against_references(kwargs, cfg.field, completions, score)
 
     return exact_match
 
@@ -173,19 +172,12 @@ def length_and_reference_reward(cfg: LengthAndReferenceFunction) -> RewardFn:
     Per completion: the reference column holds one value per completion (TRL's convention), so each completion is
     tested against its own reference, never against the whole column."""
 
+    def score(text: str, golden: str) -> float:
+        return (0.5 if 10 <= len(text) <= 200 else 0.0) + (0.5 if golden and golden in text else 0.0)
+
     def length_and_reference(prompts, completions, **kwargs) -> list[float | None]:
         refs = _reference_column(kwargs, cfg.field, len(completions))
-        out = []
-        for completion, ref in zip(completions, refs):
-            text = completion_text(completion)
-            score = 0.0
-            if 10 <= len(text) <= 200:
-                score += 0.5
-            golden = reference_text(ref)
-            if golden and golden in text:
-                score += 0.5
-            out.append(score)
-        return out
+        return [score(completion_text(c), reference_text(r) or "") for c, r in zip(completions, refs, strict=True)]
 
     return length_and_reference
 

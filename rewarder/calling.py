@@ -207,7 +207,7 @@ def _call_trl(uf: UserFunction, prompts: list, completions: list, kwargs: dict, 
         if not isinstance(column, str) or len(values) != n:
             raise TypeError(f"log_extra(column, values) takes a name and {n} values, got {column!r}, "
                             f"{len(values)} values")
-        for e, v in zip(extras, values):
+        for e, v in zip(extras, values, strict=True):
             checked = check_value(v)
             if isinstance(checked, float):
                 e[column] = checked
@@ -221,7 +221,7 @@ def _call_trl(uf: UserFunction, prompts: list, completions: list, kwargs: dict, 
     if len(result) != n:
         raise BadReturn(f"returned {len(result)} values for {n} completions")
     values: list[Value] = []
-    for e, v in zip(extras, result):
+    for e, v in zip(extras, result, strict=True):
         value, extra = split_result(v)
         values.append(value)
         e.update(extra)

@@ -247,7 +247,10 @@ class RewarderConfig(StrictConfig):
     port: int = Field(default=50052, ge=0, le=65535)
     """gRPC port (0: any free port)."""
     metrics_port: int | None = Field(default=None, ge=0, le=65535)
-    """Port of the Prometheus /metrics endpoint; unset: no endpoint."""
+    """Port of the Prometheus `/metrics` endpoint (unset: none; 0: any free port, logged; docs/rewarder.md)."""
+    metrics_host: str = "127.0.0.1"
+    """Address the metrics endpoint binds. Loopback by default; `0.0.0.0` for a Prometheus in another container or
+    host (it serves counts and timings, no prompts, and takes no token)."""
     spec: RewardSpec = Field(default_factory=RewardSpec)
     """The reward specification used at start (unless spec_file is set)."""
     spec_file: str | None = None

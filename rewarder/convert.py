@@ -52,7 +52,8 @@ def groups_from_proto(request: pb.ScoreRequest) -> list[GroupInput]:
             prompt = g.text
         extra = _from_struct(g.extra, f"groups[{i}].extra") if g.HasField("extra") else {}
         ids = [list(c.ids) for c in g.completion_ids] if len(g.completion_ids) else None
-        chats = [[_message(m) for m in chat.messages] for chat in g.completion_chats] if len(g.completion_chats) else None
+        chats = ([[_message(m) for m in chat.messages] for chat in g.completion_chats] if len(g.completion_chats)
+                 else None)
         groups.append(GroupInput(g.prompt_id, prompt, list(g.completions), extra, ids, chats))
     return groups
 
@@ -62,8 +63,9 @@ def _message(m: pb.RewardChatMessage) -> dict:
     are a JSON object), a tool turn with the tool's name."""
     message: dict = {"role": m.role, "content": m.content}
     if m.tool_calls:
-        message["tool_calls"] = [{"type": "function", "function": {"name": c.name, "arguments": _arguments(c.arguments)}}
-                                 for c in m.tool_calls]
+        message["tool_calls"] = [
+            {"type": "function", "function": {"name": c.name, "arguments": _arguments(c.arguments)}}
+            for c in m.tool_calls]
     if m.name:
         message["name"] = m.name
     return message
@@ -85,32 +87,6 @@ def trainer_state_from_proto(request: pb.ScoreRequest) -> dict | None:
     return {"global_step": s.global_step, "max_steps": s.max_steps, "epoch": s.epoch}
 
 
-def groups_to_proto(groups: list[GroupInput], group_size: int = 0) -> pb.ScoreRequest:
-    """The client side of the same mapping, for the tests (round trip, requests to a real server). The learner
-    builds its own requests (learner/reward_client.py): services never import each other."""
-    request = pb.ScoreRequest(group_size=group_size)
-    for g in groups:
-        msg = request.groups.add(prompt_id=g.prompt_id, completions=g.completions)
-        if isinstance(g.prompt, str):
-            msg.text = g.prompt
-        else:
-            msg.chat.messages.extend(pb.RewardChatMessage(role=m["role"], content=m["content"]) for m in g.prompt)
-        if g.extra:
-            msg.extra.update(g.extra)
-        for ids in g.completion_ids or []:
-            msg.completion_ids.add(ids=ids)
-        for chat in g.completion_messages or []:
-            msg.completion_chats.add().messages.extend(_message_to_proto(m) for m in chat)
-    return request
-
-
-def _message_to_proto(m: dict) -> pb.RewardChatMessage:
-    calls = [pb.RewardToolCall(name=c["function"]["name"], arguments=json.dumps(c["function"]["arguments"])
-                               if isinstance(c["function"]["arguments"], dict) else c["function"]["arguments"])
-             for c in m.get("tool_calls", [])]
-    return pb.RewardChatMessage(role=m["role"], content=m.get("content", ""), tool_calls=calls, name=m.get("name", ""))
-
-
 def spec_ref_to_proto(ref: SpecRef | None) -> pb.RewardSpecRef:
     if ref is None:
         return pb.RewardSpecRef()
@@ -120,7 +96,7 @@ def spec_ref_to_proto(ref: SpecRef | None) -> pb.RewardSpecRef:
 def score_response(result: ScoreResult, prompt_ids: list[str]) -> pb.ScoreResponse:
     response = pb.ScoreResponse(spec=spec_ref_to_proto(result.spec))
     group_metrics = result.metrics or [{} for _ in result.groups]
-    for prompt_id, scores, logged in zip(prompt_ids, result.groups, group_metrics):
+    for prompt_id, scores, logged in zip(prompt_ids, result.groups, group_metrics, strict=True):
         group = response.groups.add(prompt_id=prompt_id, metrics=logged)
         for s in scores:
             status = pb.SCORE_STATUS_NO_REWARD if s.no_reward else pb.SCORE_STATUS_OK if s.ok else pb.SCORE_STATUS_ERROR

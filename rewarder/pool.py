@@ -26,7 +26,11 @@ log = logging.getLogger("dgrpo.rewarder.pool")
 
 
 class CallFailed(Exception):
-    """A reward function call that produced no values: it raised, timed out, or its worker died."""
+    """A reward function call that produced no values: it raised, timed out (`timed_out`), or its worker died."""
+
+    def __init__(self, message: str, timed_out: bool = False):
+        super().__init__(message)
+        self.timed_out = timed_out
 
 
 class _WorkerDied(Exception):
@@ -162,7 +166,8 @@ class WorkerPool:
             raise
         except _CallTimeout:
             self._replace(worker)
-            raise CallFailed(f"timed out after {timeout:g}s (its worker was killed and replaced)") from None
+            raise CallFailed(f"timed out after {timeout:g}s (its worker was killed and replaced)",
+                             timed_out=True) from None
         except _WorkerDied as e:
             self._replace(worker)
             raise CallFailed(f"crashed its worker process ({e}); the worker was replaced") from None

@@ -67,7 +67,7 @@ class RewardModel:
     def __call__(self, prompts, completions, **kwargs) -> list[float]:
         import torch
 
-        texts = [self._text(p, c) for p, c in zip(prompts, completions)]
+        texts = [self._text(p, c) for p, c in zip(prompts, completions, strict=True)]
         ids = self.tokenizer(texts, truncation=True, max_length=self.cfg.max_length, add_special_tokens=True)[
             "input_ids"
         ]
@@ -80,6 +80,6 @@ class RewardModel:
                     attention_mask=padded["attention_mask"].to(self.device),
                 ).logits  # [B, num_labels]
             values = logits[:, self.cfg.label_index].float().cpu().tolist()
-            for i, v in zip(batch, values):
+            for i, v in zip(batch, values, strict=True):
                 scores[i] = v
         return scores

@@ -14,7 +14,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from dgrpo.common.logs import printable
+from dgrpo.common.logs import bounded, printable
 from dgrpo.rewarder import metrics
 from dgrpo.rewarder.config import RewarderConfig, RewardSpec
 from dgrpo.rewarder.pool import CallFailed, WorkerPool
@@ -24,7 +24,6 @@ from dgrpo.rewarder.spec import (
     SpecSnapshot,
     allowed_dirs,
     allowed_modules,
-    bounded,
     check_modules,
     check_paths,
     check_weights,
@@ -41,18 +40,19 @@ RESERVED_COLUMNS = ("prompts", "completions", "trainer_state", "log_extra", "log
 TRL_DROPPED_COLUMNS = ("prompt", "completion", "completion_ids")
 
 
-class RequestError(ValueError):
+class _QuotesClientText(Exception):
+    """An error whose message quotes client text: bounded, so that it fits in a gRPC trailer."""
+
+    def __init__(self, message: str):
+        super().__init__(bounded(message))
+
+
+class RequestError(_QuotesClientText, ValueError):
     """A malformed Score request (-> INVALID_ARGUMENT)."""
 
-    def __init__(self, message: str):
-        super().__init__(bounded(message))  # it quotes client text: keep it within a gRPC trailer
 
-
-class ScoringFailed(RuntimeError):
+class ScoringFailed(_QuotesClientText, RuntimeError):
     """A reward function failed and on_error is fail_request (-> FAILED_PRECONDITION)."""
-
-    def __init__(self, message: str):
-        super().__init__(bounded(message))  # it quotes client text: keep it within a gRPC trailer
 
 
 class NotReady(RuntimeError):
@@ -270,7 +270,7 @@ class Scorer:
         extras: list[list[list[dict]]] = [[[{}] * len(g.completions) for g in groups] for _ in infos]
         logged: list[dict[str, list[float]]] = [{} for _ in groups]  # log_metric values per group
         calls = []
-        for f, (info, cfg) in enumerate(zip(infos, gen.snap.spec.functions)):
+        for f, (info, cfg) in enumerate(zip(infos, gen.snap.spec.functions, strict=True)):
             timeout = cfg.timeout_s or self.config.call_timeout_s
             for chunk in self._chunks(info.kind, groups):
                 calls.append(self._call(gen, f, info.name, chunk, groups, (values, extras, logged), timeout, state))
@@ -304,6 +304,8 @@ class Scorer:
         except CallFailed as e:
             flat = [f"reward function {name!r} {e}"] * len(completions)
             metrics.FUNCTION_ERRORS.labels(name).inc(len(completions))
+            if e.timed_out:
+                metrics.FUNCTION_TIMEOUTS.labels(name).inc()
         else:
             flat = [f"reward function {name!r} {v}" if isinstance(v, str) else v for v in scored.values]
             flat_extras = scored.extras
@@ -346,6 +348,6 @@ class Scorer:
                 # Every function returned None (TRL: an all-NaN row): no reward, so no baseline share and no loss.
                 no_reward = ok and not applied and not errors
                 scores.append(CompletionScore(reward if ok else 0.0, breakdown, ok, message, no_reward))
-                metrics.COMPLETIONS.labels("no_reward" if no_reward else "ok" if ok else "error").inc()
+                metrics.scored("no_reward" if no_reward else "ok" if ok else "error")
             out.append(scores)
         return ScoreResult(out, gen.ref)

@@ -12,9 +12,10 @@ import signal
 
 import grpc
 
-from dgrpo.common import grpc_server
+from dgrpo.common import grpc_server, tracing
 from dgrpo.common.auth import AuthConfig, Credentials, server_interceptors
 from dgrpo.common.logs import printable, setup_logging
+from dgrpo.common.tracing import TracingConfig
 from dgrpo.rewarder import convert, metrics
 from dgrpo.rewarder.config import RewarderConfig
 from dgrpo.rewarder.scorer import NotReady, RequestError, Scorer, ScoringFailed
@@ -33,6 +34,8 @@ class RewarderServicer(rewarder_pb2_grpc.RewarderServicer):
         self.scorer = scorer
 
     async def Score(self, request: pb.ScoreRequest, context: grpc.aio.ServicerContext) -> pb.ScoreResponse:
+        span = tracing.server_span("Score", context.invocation_metadata(), groups=len(request.groups),
+                                   prompt_id=request.groups[0].prompt_id if request.groups else "")
         try:
             result = await self.scorer.score(convert.groups_from_proto(request), request.group_size,
                                              convert.trainer_state_from_proto(request))
@@ -42,6 +45,8 @@ class RewarderServicer(rewarder_pb2_grpc.RewarderServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except NotReady as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        finally:
+            span.end()
         return convert.score_response(result, [g.prompt_id for g in request.groups])
 
     async def Info(self, request: pb.RewarderInfoRequest, context: grpc.aio.ServicerContext) -> pb.RewarderInfo:
@@ -96,7 +101,8 @@ async def serve(config: RewarderConfig, credentials: Credentials | None = None) 
     log.info("rewarder listening on %s:%d, loading the reward spec into %d workers", config.host, server.port,
              config.workers)
     if config.metrics_port is not None:
-        metrics.serve(config.metrics_port)
+        log.info("Prometheus metrics on http://%s:%d/metrics", config.metrics_host,
+                 metrics.serve(config.metrics_host, config.metrics_port))
         metrics.WORKERS_ALIVE.set_function(lambda: scorer.workers_alive)
     # Before loading: SIGHUP's default action would kill the process; an early one reloads after the first load.
     loop = asyncio.get_running_loop()
@@ -116,8 +122,13 @@ async def serve(config: RewarderConfig, credentials: Credentials | None = None) 
     return 0
 
 
-def main(config: RewarderConfig, auth: AuthConfig | None = None) -> int:
-    """`dgrpo rewarder`: serve the `rewarder` section until SIGTERM (with `auth`'s token and TLS, if set)."""
+def main(config: RewarderConfig, auth: AuthConfig | None = None, tracing_cfg: TracingConfig | None = None) -> int:
+    """`dgrpo rewarder`: serve the `rewarder` section until SIGTERM (with `auth`'s token and TLS, if set; spans to
+    `tracing_cfg`'s endpoint, if set)."""
     setup_logging("rewarder")
     credentials = (auth or AuthConfig()).credentials()
-    return asyncio.run(serve(config, credentials))
+    tracing.init(tracing_cfg or TracingConfig(), "rewarder")
+    try:
+        return asyncio.run(serve(config, credentials))
+    finally:
+        tracing.shutdown()

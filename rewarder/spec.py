@@ -26,24 +26,10 @@ from pathlib import Path
 import yaml
 from pydantic import ValidationError
 
-from dgrpo.common.logs import printable
+from dgrpo.common.logs import bounded, printable
 from dgrpo.rewarder.config import FileFunction, ModelFunction, RewarderConfig, RewardSpec, function_name
 
 log = logging.getLogger("dgrpo.rewarder.spec")
-
-
-MAX_ERROR_BYTES = 2000
-"""Longest error message (UTF-8 bytes) a client gets back. gRPC sends it percent-encoded in a trailer, and a trailer
-over the client's metadata limit (8 KiB) turns the whole answer into RESOURCE_EXHAUSTED "Stream removed": a message
-quoting a 20 kB prompt_id or path would hide why the request was refused."""
-
-
-def bounded(message: str, limit: int = MAX_ERROR_BYTES) -> str:
-    """`message`, cut to `limit` UTF-8 bytes with a marker saying how much was left out."""
-    raw = message.encode()
-    if len(raw) <= limit:
-        return message
-    return raw[:limit].decode(errors="ignore") + f"...[{len(raw) - limit} more bytes]"
 
 
 class SpecError(ValueError):

@@ -18,7 +18,11 @@ class SamplerConfig(StrictConfig):
     port: int = Field(default=50051, ge=0, le=65535)
     """gRPC port (0: pick a free one and print it)."""
     metrics_port: int | None = Field(default=None, ge=0, le=65535)
-    """Prometheus metrics HTTP port (unset: no metrics server; 0: pick a free one)."""
+    """Port of the Prometheus `/metrics` endpoint (unset: none; 0: any free port, logged): this replica's
+    `dgrpo_sampler_*` series and vLLM's own `vllm:*` engine metrics (docs/sampler.md)."""
+    metrics_host: str = "127.0.0.1"
+    """Address the metrics endpoint binds. Loopback by default; `0.0.0.0` for a Prometheus in another container or
+    host (it serves counts and timings, no prompts, and takes no token)."""
     replica_id: str | None = None
     """Name of this replica in Info, logs and metrics (unset: hostname:port)."""
     addresses: list[str] = Field(default_factory=lambda: ["localhost:50051"])

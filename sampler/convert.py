@@ -1,9 +1,12 @@
-"""Proto <-> domain conversions of the sampler, in one place (round-trip tested)."""
+"""Proto <-> domain conversions of the sampler, in one place: requests in, groups out. The other direction is the
+learner's (learner/rollout.py builds the requests, learner/groups.py reads the groups); the tests run the two ends
+against each other."""
 
 from __future__ import annotations
 
-from dgrpo.sampler.engine import CompletionResult, GroupResult, PromptInput, SamplingRequest
-from dgrpo.sampler.multi_turn import Message, MultiTurnRequest, TurnStats
+from dgrpo.sampler.engine import CompletionResult, GroupResult
+from dgrpo.sampler.multi_turn import Message, MultiTurnRequest
+from dgrpo.sampler.requests import PromptInput, SamplingRequest
 from dgrpo.v1 import sampler_pb2 as pb
 
 FINISH_TO_PB = {
@@ -11,7 +14,6 @@ FINISH_TO_PB = {
     "length": pb.FINISH_REASON_LENGTH,
     "abort": pb.FINISH_REASON_ABORT,
 }
-FINISH_FROM_PB = {v: k for k, v in FINISH_TO_PB.items()}
 
 
 def prompt_from_pb(p: pb.Prompt) -> PromptInput:
@@ -39,16 +41,6 @@ def sampling_from_pb(s: pb.SamplingParams) -> SamplingRequest:
     )
 
 
-def sampling_to_pb(s: SamplingRequest) -> pb.SamplingParams:
-    msg = pb.SamplingParams(
-        n=s.n, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p, max_tokens=s.max_tokens,
-        stop=s.stop, stop_token_ids=s.stop_token_ids,
-    )
-    if s.seed is not None:
-        msg.seed = s.seed
-    return msg
-
-
 def multi_turn_from_pb(m: pb.GenerateRequest) -> MultiTurnRequest | None:
     """GenerateRequest.multi_turn, or None when unset or not enabled (one completion per sample)."""
     if not m.HasField("multi_turn") or not m.multi_turn.enable:
@@ -58,19 +50,9 @@ def multi_turn_from_pb(m: pb.GenerateRequest) -> MultiTurnRequest | None:
                             t.max_tool_response_length, t.tool_config_digest)
 
 
-def multi_turn_to_pb(r: MultiTurnRequest) -> pb.MultiTurn:
-    return pb.MultiTurn(enable=True, max_assistant_turns=r.max_assistant_turns, max_tool_calls=r.max_tool_calls,
-                        max_response_length=r.max_response_length,
-                        max_tool_response_length=r.max_tool_response_length, tool_config_digest=r.tool_config_digest)
-
-
 def message_to_pb(m: Message) -> pb.ChatMessage:
     return pb.ChatMessage(role=m.role, content=m.content, name=m.name,
                           tool_calls=[pb.ToolCall(name=n, arguments=a) for n, a in m.tool_calls])
-
-
-def message_from_pb(m: pb.ChatMessage) -> Message:
-    return Message(m.role, m.content, [(c.name, c.arguments) for c in m.tool_calls], m.name)
 
 
 def completion_to_pb(c: CompletionResult) -> pb.Completion:
@@ -92,30 +74,10 @@ def completion_to_pb(c: CompletionResult) -> pb.Completion:
     return msg
 
 
-def completion_from_pb(c: pb.Completion) -> CompletionResult:
-    s = c.turn_stats
-    return CompletionResult(
-        list(c.token_ids), list(c.logprobs), c.text, FINISH_FROM_PB[c.finish_reason], c.weight_version,
-        c.first_weight_version if c.HasField("first_weight_version") else None,
-        mask=list(c.mask) or None,
-        messages=[message_from_pb(m) for m in c.messages] or None,
-        turn_stats=TurnStats(s.turns, s.tool_calls, s.tool_errors, s.tool_timeouts, s.tool_seconds, s.ended_by)
-        if c.HasField("turn_stats") else None,
-    )
-
-
 def group_to_pb(g: GroupResult, replica_id: str) -> pb.Group:
     return pb.Group(
         prompt_id=g.prompt_id,
         prompt_token_ids=g.prompt_token_ids,
         replica_id=replica_id,
         completions=[completion_to_pb(c) for c in g.completions],
-    )
-
-
-def group_from_pb(g: pb.Group) -> GroupResult:
-    return GroupResult(
-        prompt_id=g.prompt_id,
-        prompt_token_ids=list(g.prompt_token_ids),
-        completions=[completion_from_pb(c) for c in g.completions],
     )

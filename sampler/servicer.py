@@ -6,26 +6,26 @@ import logging
 
 import grpc
 
+from dgrpo.common import tracing
+from dgrpo.common.logs import bounded
 from dgrpo.sampler.convert import group_to_pb, multi_turn_from_pb, prompt_from_pb, sampling_from_pb
-from dgrpo.sampler.engine import EngineUnavailable, InvalidRequest, SamplerEngine, WeightVersionTimeout
+from dgrpo.sampler.engine import EngineUnavailable, SamplerEngine, WeightVersionTimeout
 from dgrpo.sampler.metrics import SamplerMetrics
 from dgrpo.sampler.multi_turn import ToolsUnavailable
+from dgrpo.sampler.requests import InvalidRequest
 from dgrpo.v1 import sampler_pb2 as pb
 from dgrpo.v1 import sampler_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-MAX_DETAILS_BYTES = 2000
-"""Longest status message (UTF-8 bytes). gRPC sends it percent-encoded in a trailer, and a trailer over the client's
-metadata limit (8 KiB) turns the whole answer into RESOURCE_EXHAUSTED "Stream removed": a message quoting a 20 kB
-prompt id would hide why the request was refused."""
-
-
-def _details(e: Exception) -> str:
-    raw = str(e).encode()
-    if len(raw) <= MAX_DETAILS_BYTES:
-        return str(e)
-    return raw[:MAX_DETAILS_BYTES].decode(errors="ignore") + f"...[{len(raw) - MAX_DETAILS_BYTES} more bytes]"
+# The engine's typed errors -> (status code, outcome label of the request metrics). Anything else propagates: a
+# cancelled stream, or a bug that gRPC reports as UNKNOWN.
+STATUS: dict[type[Exception], tuple[grpc.StatusCode, str]] = {
+    InvalidRequest: (grpc.StatusCode.INVALID_ARGUMENT, "invalid"),
+    ToolsUnavailable: (grpc.StatusCode.FAILED_PRECONDITION, "no_tools"),
+    WeightVersionTimeout: (grpc.StatusCode.DEADLINE_EXCEEDED, "fenced"),
+    EngineUnavailable: (grpc.StatusCode.UNAVAILABLE, "unavailable"),
+}
 
 
 class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
@@ -42,33 +42,27 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
         prompts = [prompt_from_pb(p) for p in request.prompts]
         sampling = sampling_from_pb(request.sampling)
         outcome = "ok"
+        self.metrics.requests_in_flight.inc()
+        span = tracing.server_span("Generate", context.invocation_metadata(), replica=self.replica_id,
+                                   prompts=len(request.prompts), min_weight_version=request.min_weight_version)
         try:
             async for group in self.engine.generate(
                 prompts, sampling, request.min_weight_version, request.weight_wait_timeout_s or None,
                 multi_turn=multi_turn_from_pb(request),
             ):
-                self.metrics.groups.inc()
                 # Tokens the model sampled (a multi-turn trajectory's tool and template tokens are not generated).
-                self.metrics.generated_tokens.inc(sum(sum(c.mask) if c.mask else len(c.token_ids)
-                                                      for c in group.completions))
+                self.metrics.group_streamed(sum(sum(c.mask) if c.mask else len(c.token_ids) for c in group.completions))
                 yield group_to_pb(group, self.replica_id)
-        except InvalidRequest as e:
-            outcome = "invalid"
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _details(e))
-        except ToolsUnavailable as e:
-            outcome = "no_tools"
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, _details(e))
-        except WeightVersionTimeout as e:
-            outcome = "fenced"
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, _details(e))
-        except EngineUnavailable as e:
-            outcome = "unavailable"
-            await context.abort(grpc.StatusCode.UNAVAILABLE, _details(e))
+        except tuple(STATUS) as e:
+            code, outcome = next(v for t, v in STATUS.items() if isinstance(e, t))
+            await context.abort(code, bounded(str(e)))
         except BaseException:
             outcome = "cancelled_or_failed"
             raise
         finally:
+            self.metrics.requests_in_flight.dec()
             self.metrics.request_done(outcome)
+            span.end(outcome=outcome, weight_version=self.engine.weight_version)
 
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.SamplerInfo:
         if self.engine is None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 
 from dgrpo.sampler.engine import SamplerEngine
 from dgrpo.sampler.vllm_transfer import INTEGRITY_MARK, TORN_MARK
@@ -30,6 +30,25 @@ from dgrpo.weights.subscriber import SlotRef, TornLoad, WeightChannelBroken
 def transfer_engine_init_info(reload: str = "auto") -> dict:
     """`init_weight_transfer_engine`'s payload for `dgrpo_shm`."""
     return {"protocol": PROTOCOL, "reload": reload}
+
+
+@asynccontextmanager
+async def paused_generation(llm, pause_mode: str) -> AsyncIterator[float]:
+    """The engine's scheduler paused for a weight load (`weights.pause_mode`); yields the seconds pausing took."""
+    t0 = time.perf_counter()
+    # pause_generation less its fixed 20 ms sleep (vLLM: "not required for correctness"): the engine sends
+    # in-flight requests' last outputs before this reply, and their completions read their version long before
+    # the load's replies and set_version come back. clear_cache=False: the prefix cache is reset once, after
+    # the load (set_version).
+    await llm.engine_core.pause_scheduler_async(mode=pause_mode, clear_cache=False)
+    try:
+        yield time.perf_counter() - t0
+    except WeightChannelBroken:
+        raise  # stay paused: the weights may be a mix of versions; the server shuts the replica down
+    except BaseException:
+        await llm.resume_generation()
+        raise
+    await llm.resume_generation()
 
 
 class EngineWeightTarget:
@@ -58,23 +77,8 @@ class EngineWeightTarget:
             self._session = False  # vLLM ends the session when update_weights raises
             raise
 
-    @asynccontextmanager
-    async def paused(self) -> AsyncIterator[float]:
-        t0 = time.perf_counter()
-        llm = self.engine.llm
-        # pause_generation less its fixed 20 ms sleep (vLLM: "not required for correctness"): the engine sends
-        # in-flight requests' last outputs before this reply, and their completions read their version long before
-        # the load's replies and set_version come back. clear_cache=False: the prefix cache is reset once, after
-        # the load (set_version).
-        await llm.engine_core.pause_scheduler_async(mode=self.pause_mode, clear_cache=False)
-        try:
-            yield time.perf_counter() - t0
-        except WeightChannelBroken:
-            raise  # stay paused: the weights may be a mix of versions; the server shuts the replica down
-        except BaseException:
-            await llm.resume_generation()
-            raise
-        await llm.resume_generation()
+    def paused(self) -> AbstractAsyncContextManager[float]:
+        return paused_generation(self.engine.llm, self.pause_mode)
 
     async def apply(self, ref: SlotRef) -> None:
         if ref.streamed:

@@ -49,7 +49,8 @@ def run(args: list[str], *, env: dict | None = None, timeout: float = 300, check
     proc = subprocess.run(args, capture_output=True, text=True, env=env, timeout=timeout, check=False, cwd=ROOT,
                           input=input_text)
     if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(args)} exited {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+        raise AssertionError(f"{' '.join(args)} exited {proc.returncode}:\n{proc.stdout[-4000:]}\n"
+                             f"{proc.stderr[-4000:]}")
     return proc
 
 

@@ -5,6 +5,7 @@
         hosts.a.address, hosts.b.address     # 10.213.x.1 (host a), 10.213.x.2 (host b)
         proc = EventProcess(hosts.b.command([sys.executable, "peer.py", ...]), log_path)
         hosts.link(up=False)                 # the link goes down (host a's end), as a cable pulled
+        hosts.drop_packets(on=True)          # host b drops every packet silently, the link up (a partition)
         hosts.cap_mbit(200)                  # tc htb on both ends of the veth
 
 Traffic stays inside the namespaces the test created (the veth pair has no end in the machine's own namespace), and
@@ -99,6 +100,14 @@ class TwoHosts:
     def link(self, up: bool) -> None:
         """Take host a's end of the link down (no packet crosses either way) or bring it back."""
         _sh("ip", "netns", "exec", self.a.netns, "ip", "link", "set", self.a.veth, "up" if up else "down")
+
+    def drop_packets(self, on: bool) -> None:
+        """Host b silently drops every packet on its end of the link, both ways, or stops dropping (iptables in b's
+        namespace): a partition as a dead switch port or a firewall makes it, with no reset and no error, the link
+        itself up. Needs `iptables`."""
+        ns = ("ip", "netns", "exec", self.b.netns, "iptables")
+        for chain, direction in (("INPUT", "-i"), ("OUTPUT", "-o")):
+            _sh(*ns, "-I" if on else "-D", chain, direction, self.b.veth, "-j", "DROP")
 
     def cap_mbit(self, mbit: int) -> None:
         """A tc htb bandwidth cap of `mbit` Mbit/s on both ends of the link."""

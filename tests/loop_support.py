@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
-from support import ServiceProcess
+from support import ServiceProcess, free_port
 
 from dgrpo.cli.up import stable_free_port
 from dgrpo.v1 import sampler_pb2, sampler_pb2_grpc
@@ -33,3 +35,37 @@ def sampler_info(address: str) -> sampler_pb2.SamplerInfo:
 
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@contextmanager
+def replicas_and_rewarder(tiny_model: Path, replicas: int = 2, **weights: object,
+                          ) -> Iterator[tuple[list[ServiceProcess], ServiceProcess, dict]]:
+    """Sampler replicas subscribed to weight sync on fixed ports, and a rewarder; started in parallel, stopped at
+    exit. Yields (samplers, rewarder, the stack config's `weights` section); `weights` adds keys to that section."""
+    weights = {"announce_port": fixed_port(), "control_port": fixed_port(), **weights}
+    weight_args = [f"weights.{key}={value}" for key, value in weights.items()]
+    samplers = [
+        ServiceProcess("sampler", [f"model.path={tiny_model}", "model.dtype=float32", f"sampler.port={port}",
+                                   "sampler.host=127.0.0.1", "sampler.enforce_eager=true", "sampler.max_model_len=512",
+                                   f"sampler.replica_id=r{i}", "sampler.shutdown_grace_s=1", *weight_args], port)
+        for i, port in enumerate([free_port() for _ in range(replicas)])
+    ]
+    rewarder = start_rewarder(free_port())
+    try:
+        for svc in [rewarder, *samplers]:
+            svc.wait_ready(timeout=400)
+        yield samplers, rewarder, weights
+    finally:
+        for svc in [rewarder, *samplers]:  # SIGTERM all first: they shut down in parallel
+            if svc.proc.poll() is None:
+                svc.proc.terminate()
+        for svc in [rewarder, *samplers]:
+            svc.stop(timeout=30)
+
+
+def write_sums(root: Path, operands: int) -> dict:
+    """Train and validation files of "What is a+b?" for a, b < operands; returns their `learner.data` keys."""
+    rows = [{"prompt": f"What is {a}+{b}?", "answer": str(a + b)} for a in range(operands) for b in range(operands)]
+    (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (root / "val.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:2]))
+    return {"train_files": [str(root / "train.jsonl")], "val_files": [str(root / "val.jsonl")]}

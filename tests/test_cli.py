@@ -32,6 +32,14 @@ def test_config_error_exits_2_naming_the_key_without_importing_heavy_modules():
     assert "HEAVY [] RC 2" in out.stdout
 
 
+def test_python_m_dgrpo_is_the_dgrpo_command(tmp_path):
+    """`python -m dgrpo` runs the CLI, from any folder (not only `python -m dgrpo.cli`)."""
+    out = subprocess.run([sys.executable, "-m", "dgrpo", "show-config", "sampler.port=6001"], check=False,
+                         capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "port: 6001" in out.stdout
+
+
 def test_show_config_prints_resolved_yaml():
     out = run("show-config", "sampler.port=6000")
     assert out.returncode == 0 and "port: 6000" in out.stdout

@@ -74,7 +74,8 @@ def test_visible_devices_are_honoured():
 def test_sampler_cpu_core_binding():
     assert devices.cpu_thread_binding("auto") == {}  # vLLM's own choice
     every = ",".join(map(str, sorted(os.sched_getaffinity(0))))
-    assert devices.cpu_thread_binding("all") == {"VLLM_CPU_OMP_THREADS_BIND": every, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    assert devices.cpu_thread_binding("all") == {"VLLM_CPU_OMP_THREADS_BIND": every,
+                                                 "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
     assert devices.cpu_thread_binding("0-3")["VLLM_CPU_OMP_THREADS_BIND"] == "0-3"
     with pytest.raises(ValidationError, match="cpu_cores"):
         SamplerConfig(cpu_cores="most")

@@ -46,6 +46,9 @@ python3 -m verl.trainer.main_ppo \
     algorithm.use_kl_in_reward=False \
     trainer.critic_warmup=0 \
     trainer.logger='["console","wandb"]' \
+    trainer.rollout_data_dir=/data/rollouts \
+    trainer.validation_data_dir=/data/val \
+    trainer.log_val_generations=10 \
     trainer.project_name='verl_grpo_example_gsm8k' \
     trainer.experiment_name='qwen2_7b_function_rm' \
     trainer.n_gpus_per_node=8 \
@@ -173,6 +176,8 @@ TRL_CONFIG = {
     "top_entropy_quantile": 0.2,
     "logging_steps": 1,
     "report_to": ["wandb"],
+    "log_completions": True,
+    "num_completions_to_print": 4,
     "output_dir": "data/Qwen2.5-1.5B-GRPO",
     "save_strategy": "steps",
     "save_steps": 50,
@@ -213,6 +218,8 @@ def test_verl_run_script(tmp_path, capsys, monkeypatch):
     assert (lr.trainer.total_epochs, lr.trainer.test_freq, lr.checkpoint.save_freq) == (15, 5, 20)
     assert lr.trainer.loggers == ["console", "jsonl", "wandb"]
     assert (lr.trainer.wandb_project, lr.trainer.run_name) == ("verl_grpo_example_gsm8k", "qwen2_7b_function_rm")
+    assert (lr.trainer.rollout_data_dir, lr.trainer.validation_data_dir) == ("/data/rollouts", "/data/val")
+    assert lr.trainer.log_val_generations == 10
     # verl's default_compute_score is not bundled: math_verify on the ground truth is written, and the gap listed
     assert listed(err, "unsupported") == {"custom_reward_function.path"}
     (fn,) = cfg.rewarder.spec.functions
@@ -249,8 +256,8 @@ def test_verl_nested_yaml_with_interpolations_and_unsupported_keys(tmp_path, cap
         "actor_rollout_ref.actor.entropy_coeff",  # 0.001: no entropy bonus
         "actor_rollout_ref.actor.kl_loss_type",  # k1
         "actor_rollout_ref.actor.fsdp_config.optimizer_offload",  # true
-        "trainer.logger",  # mlflow
     }
+    assert lr.trainer.loggers == ["console", "jsonl", "mlflow"] and lr.trainer.mlflow_experiment == "DAPO"
     assert {"critic.ppo_mini_batch_size", "critic.optim.lr", "reward_model.enable", "reward_model.model.path",
             "algorithm.gamma", "actor_rollout_ref.actor.ppo_micro_batch_size"} <= listed(err, "ignored")
     # verl's custom_reward_function: its compute_score is called unchanged, in verl's spelling.
@@ -291,6 +298,7 @@ def test_trl_grpo_config(tmp_path, capsys, fmt):
     assert lr.rollout.temperature == 0.7 and cfg.sampler.gpu_memory_utilization == 0.7
     assert (lr.checkpoint.save_freq, lr.checkpoint.keep_last, lr.checkpoint.dir) == (50, 1, "data/Qwen2.5-1.5B-GRPO")
     assert lr.trainer.loggers == ["console", "jsonl", "wandb"] and lr.data.seed == 42 == lr.trainer.seed
+    assert lr.trainer.log_completions and lr.trainer.num_completions_to_print == 4
     assert cfg.model.path == "/models/Qwen2.5-1.5B-Instruct" and lr.actor.gradient_checkpointing
     assert listed(err, "unsupported") == {"dataset_name", "reward_weights", "top_entropy_quantile"}
     assert {"use_vllm", "logging_steps", "bf16", "save_strategy"} <= listed(err, "ignored")
@@ -346,3 +354,35 @@ def test_verl_multi_turn_tool_run(tmp_path, capsys):
     assert (mt.max_tool_response_length, mt.tool_response_truncate_side, mt.format) == (512, "right", "hermes")
     assert "actor_rollout_ref.rollout.multi_turn.max_user_turns" in listed(err, "ignored")
     assert "actor_rollout_ref.rollout.multi_turn.use_inference_chat_template" in listed(err, "unsupported")
+
+
+def test_verl_lora_keys(tmp_path, capsys):
+    """verl's run_qwen2_5-3b_gsm8k_grpo_lora.sh settings: lora_rank / lora_alpha / target_modules onto learner.lora;
+    use_shm and layered_summon are how verl feeds its colocated rollout, listed as ignored."""
+    script = VERL_SCRIPT.replace(
+        "actor_rollout_ref.actor.optim.lr=1e-6 \\",
+        "actor_rollout_ref.actor.optim.lr=3e-5 \\\n    actor_rollout_ref.model.lora_rank=64 \\\n"
+        "    actor_rollout_ref.model.lora_alpha=32 \\\n    actor_rollout_ref.model.target_modules=all-linear \\\n"
+        "    actor_rollout_ref.model.use_shm=True \\\n    actor_rollout_ref.rollout.layered_summon=True \\\n"
+        "    actor_rollout_ref.model.layered_summon=True \\")
+    rc, out, err = run(tmp_path, capsys, "verl", script, name="lora.sh")
+    assert rc == 0, err
+    lora = load_config(StackConfig, out).learner.lora
+    assert (lora.rank, lora.alpha, lora.target_modules, lora.merge_on_sync) == (64, 32.0, "all-linear", False)
+    assert {"actor_rollout_ref.model.use_shm", "actor_rollout_ref.model.layered_summon"} <= listed(err, "ignored")
+
+
+def test_trl_peft_settings(tmp_path, capsys):
+    """TRL's ModelConfig PEFT arguments (use_peft, lora_r, ...); without use_peft they are ignored, as TRL does."""
+    rc, out, err = run(tmp_path, capsys, "trl", "use_peft: true\nlora_r: 32\nlora_alpha: 64\n"
+                       "lora_target_modules: [q_proj, k_proj, v_proj, o_proj]\nuse_dora: true\n")
+    assert rc == 0, err
+    lora = load_config(StackConfig, out).learner.lora
+    assert (lora.rank, lora.alpha, lora.dropout) == (32, 64.0, 0.05)  # TRL's default lora_dropout
+    assert lora.target_modules == ["q_proj", "k_proj", "v_proj", "o_proj"]
+    assert "use_dora" in listed(err, "unsupported")
+    rc, out, err = run(tmp_path, capsys, "trl", "use_peft: true\n", name="defaults.yaml")
+    lora = load_config(StackConfig, out).learner.lora
+    assert (lora.rank, lora.alpha, lora.target_modules) == (16, 32.0, ["q_proj", "v_proj"])
+    rc, out, err = run(tmp_path, capsys, "trl", "lora_r: 8\n", name="off.yaml")
+    assert load_config(StackConfig, out).learner.lora.rank == 0 and "lora_r" in listed(err, "ignored")

@@ -60,7 +60,8 @@ def test_dapo_recipe_with_overlong_buffer(capsys, tmp_path, monkeypatch):
     assert (lr.data.max_prompt_length, lr.rollout.max_response_length) == (2048, 8192)
     assert cfg.sampler.max_model_len == 2048 + 8192 and cfg.sampler.max_num_batched_tokens == 10240
     assert (lr.actor.max_tokens_per_micro_batch, lr.actor.logprob_max_tokens_per_micro_batch) == (20480, 30720)
-    assert (alg.overlong_buffer.enable, alg.overlong_buffer.len, alg.overlong_buffer.penalty_factor) == (True, 4096, 1.0)
+    buffer = alg.overlong_buffer
+    assert (buffer.enable, buffer.len, buffer.penalty_factor) == (True, 4096, 1.0)
     assert alg.overlong_buffer.max_response_length is None  # max_resp_len == max_response_length
     assert not alg.filter_groups.enable
     assert cfg.model.path == "/home/u/verl/models/Qwen2.5-Math-7B"
@@ -70,7 +71,8 @@ def test_dapo_recipe_with_overlong_buffer(capsys, tmp_path, monkeypatch):
     assert "reward_model.reward_manager" in ignored and "overlong_buffer" in ignored["reward_model.reward_manager"]
     assert not any(k.startswith("reward_model.reward_kwargs.overlong_buffer_cfg.") and not k.endswith(".log")
                    for k in ignored)
-    assert {"actor_rollout_ref.actor.fsdp_config.param_offload", "actor_rollout_ref.actor.ulysses_sequence_parallel_size",
+    assert {"actor_rollout_ref.actor.fsdp_config.param_offload",
+            "actor_rollout_ref.actor.ulysses_sequence_parallel_size",
             "actor_rollout_ref.actor.fsdp_config.fsdp_size", "actor_rollout_ref.rollout.val_kwargs.top_p",
             "actor_rollout_ref.model.override_config.max_position_embeddings",
             "custom_reward_function.path"} <= set(unsupported)
@@ -151,7 +153,8 @@ def test_yaml_env_interpolations(capsys, tmp_path, monkeypatch):
     """A ppo_trainer YAML's ${oc.env:NAME[,default]} resolves from the environment as hydra would; one left unknown
     (unset, or a resolver dgrpo does not run) stops the import by key."""
     src = tmp_path / "ppo.yaml"
-    src.write_text("data:\n  train_files: ${oc.env:DATA_DIR}/train.parquet\n  val_files: ${oc.env:NOPE,/d}/val.parquet\n"
+    src.write_text("data:\n  train_files: ${oc.env:DATA_DIR}/train.parquet\n"
+                   "  val_files: ${oc.env:NOPE,/d}/val.parquet\n"
                    "actor_rollout_ref:\n  model:\n    path: ${oc.env:MODEL}\nalgorithm:\n  adv_estimator: grpo\n")
     rc, out, err = run(capsys, tmp_path, "verl", src, monkeypatch=monkeypatch, env={"DATA_DIR": "/data"})
     assert rc == 2 and "actor_rollout_ref.model.path" in err and "$MODEL" in err

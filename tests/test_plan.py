@@ -154,3 +154,48 @@ def test_dgrpo_plan_command_exits_1_when_it_does_not_fit(tmp_path):
     assert bad.returncode == 1
     out = json.loads(bad.stdout)
     assert not out["fits"] and out["learner"]["fix"] and out["sampler"]["problem"]
+
+
+@pytest.mark.parametrize(("transport", "slots", "where"), [("shm", 2, "in /dev/shm"),
+                                                            ("collective", 2, "of each sampler host"),
+                                                            ("tcp", 1, "of each replica")])
+def test_shared_memory_counts_the_slots_each_transport_keeps(tmp_path, transport, slots, where):
+    """The shm term sizes /dev/shm (compose's shm_size, the Kubernetes emptyDirs): the learner's two slots, a sampler
+    host relay's two, or one staging copy per tcp replica; bf16 weights are 2 bytes per parameter."""
+    cfg = load_config(StackConfig, ROOT / "configs" / "npu-node.yaml",
+                      [f"model.path={_qwen(tmp_path)}", f"weights.transport={transport}"])
+    p = plan.plan_stack(cfg, device="npu", device_bytes=64 * 2**30)
+    assert p.shm.bytes == slots * p.model.params * 2 and where in p.shm.formula
+    assert p.as_dict()["shm"]["bytes"] == p.shm.bytes
+
+
+@pytest.mark.parametrize(("dtype", "targets"), [("float32", ["q_proj", "v_proj", "down_proj"]),
+                                                ("bfloat16", "all-linear")])
+def test_lora_terms_match_the_real_peft_actor(tmp_path, dtype, targets):
+    """learner.lora: the frozen base, the adapter, its gradients and AdamW moments equal the PEFT actor's tensors
+    after an update; no reference copy with beta > 0; the shared-memory slots hold the adapter, not the model."""
+    pytest.importorskip("peft")
+    from dgrpo.learner.actor import Actor
+    from dgrpo.learner.batch import Sequence
+
+    folder = llama_folder(tmp_path)
+    cfg = _stack(folder, f"learner.actor.dtype={dtype}", "learner.data.train_batch_size=2",
+                 "learner.actor.ppo_mini_batch_size=2", "learner.lora.rank=4", f"learner.lora.target_modules={targets}",
+                 "learner.algorithm.beta=0.04")
+    lc = cfg.learner
+    actor = Actor(folder, lc.actor, lc.optim, lc.algorithm, total_steps=2, max_response_length=8, lora=lc.lora)
+    seqs = [Sequence([5, 6, 7], [8 + i, 9], float(i % 2), [-5.0, -5.0]) for i in range(2 * lc.rollout.n)]
+    actor.update(seqs, lc.rollout.n)
+    terms = {t.name: t.bytes for t in plan.learner_terms(plan.read_shape(folder), cfg, 1, "cpu")}
+    frozen = sum(q.numel() * q.element_size() for q in actor.policy.parameters() if not q.requires_grad)
+    adapter = sum(q.numel() * q.element_size() for q in actor.policy.parameters() if q.requires_grad)
+    grads = sum(q.grad.numel() * 4 for q in actor.policy.parameters() if q.requires_grad and q.grad is not None) \
+        or adapter  # zero_grad(set_to_none) after the step: the gradients' size is the adapter's
+    adam = sum(v.numel() * v.element_size() for s in actor.optimizer.state.values() for v in s.values() if v.dim())
+    base = "frozen base fp32" if dtype == "float32" else "frozen base bf16"
+    assert terms[base] == frozen
+    assert terms["LoRA adapter fp32"] == adapter == grads == terms["adapter gradients fp32"]
+    assert terms["adapter AdamW moments fp32"] == adam
+    assert not {"reference fp32", "weights fp32", "autocast bf16 weights"} & set(terms)
+    stack = plan.plan_stack(cfg, device="cpu", device_bytes=None)
+    assert stack.shm.bytes == 2 * adapter // 2  # two bf16 slots of the adapter

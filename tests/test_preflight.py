@@ -101,13 +101,19 @@ def test_default_loggers_need_nothing_beyond_the_default_install():
         assert not set(cfg.learner.trainer.loggers) & set(LOGGER_PACKAGES), cfg.learner.trainer.loggers
 
 
-def test_a_logger_that_is_not_installed_is_refused_naming_key_and_package(tmp_path):
+# The dev environment installs every logger (their tests need them): a missing one is a module name nothing provides.
+ABSENT = "dgrpo_test_absent_module"
+
+
+def test_a_logger_that_is_not_installed_is_refused_naming_key_and_package(tmp_path, monkeypatch):
+    from dgrpo.learner import metrics
     from dgrpo.learner.metrics import check_loggers, missing_logger_packages
 
-    assert importlib.util.find_spec("wandb") is None, "this test needs an environment without wandb"
+    assert importlib.util.find_spec(ABSENT) is None
+    monkeypatch.setitem(metrics.LOGGER_PACKAGES, "wandb", (ABSENT, metrics.LOGGER_PACKAGES["wandb"][1]))
     cfg = stack_cfg(tmp_path, "learner.trainer.loggers=[console,jsonl,wandb]")
     with pytest.raises(ConfigError, match=r"learner.trainer.loggers=\['console', 'jsonl', 'wandb'\]: 'wandb' needs "
-                                          r"the package wandb \(pip install 'dgrpo\[wandb\]'\)"):
+                                          r"the package dgrpo_test_absent_module \(pip install 'dgrpo\[wandb\]'\)"):
         preflight(cfg.learner_run())
     assert missing_logger_packages(["console", "jsonl", "tensorboard"]) == {}  # the dev extra has tensorboard
     check_loggers(["console", "jsonl", "tensorboard"])
@@ -116,11 +122,13 @@ def test_a_logger_that_is_not_installed_is_refused_naming_key_and_package(tmp_pa
 def test_learner_with_a_missing_logger_exits_2_with_one_line_and_no_traceback(tmp_path):
     """What a container in a restart loop would print: the key and the install line, not a traceback."""
     train = write_jsonl(tmp_path / "train.jsonl", ROWS)
-    proc = subprocess.run(
-        [sys.executable, "-m", "dgrpo.cli", "learner", f"learner.data.train_files=[{train}]",
-         f"learner.checkpoint.dir={tmp_path / 'ckpt'}", f"learner.trainer.log_dir={tmp_path / 'runs'}",
-         "learner.trainer.control_port=0", "learner.trainer.loggers=[console,wandb]"],
-        check=False, capture_output=True, text=True, timeout=120)
+    argv = ["learner", f"learner.data.train_files=[{train}]", f"learner.checkpoint.dir={tmp_path / 'ckpt'}",
+            f"learner.trainer.log_dir={tmp_path / 'runs'}", "learner.trainer.control_port=0",
+            "learner.trainer.loggers=[console,wandb]"]
+    absent = (f"import sys; from dgrpo.learner import metrics; metrics.LOGGER_PACKAGES['wandb'] = ({ABSENT!r}, "
+              "metrics.LOGGER_PACKAGES['wandb'][1]); from dgrpo.cli.main import main; sys.exit(main(sys.argv[1:]))")
+    proc = subprocess.run([sys.executable, "-c", absent, *argv], check=False, capture_output=True, text=True,
+                          timeout=120)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "learner.trainer.loggers" in proc.stderr and "pip install 'dgrpo[wandb]'" in proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
@@ -131,7 +139,8 @@ def test_learner_with_a_missing_logger_exits_2_with_one_line_and_no_traceback(tm
 def test_checkpoint_dir_under_a_file_names_the_key(tmp_path):
     (tmp_path / "afile").write_text("x")
     cfg = stack_cfg(tmp_path, f"learner.checkpoint.dir={tmp_path / 'afile' / 'ckpt'}")
-    with pytest.raises(ConfigError, match=r"learner.checkpoint.dir=.*afile/ckpt.*cannot be a folder, .*afile is a file"):
+    with pytest.raises(ConfigError,
+                       match=r"learner.checkpoint.dir=.*afile/ckpt.*cannot be a folder, .*afile is a file"):
         preflight(cfg.learner_run())
 
 

@@ -9,12 +9,12 @@ memory for all the replicas there.
       allreduce [ack]  ◀────────────────────────────────   the version it verified (checksums) and wrote to shm
       idle: a keep-alive (kind + ack) every third of weights.collective_timeout_s
 
-One thread per host (`HostLink`) sends the newest version not yet acknowledged; a host that lags gets only the
-newest (versions in between are never wanted). No lock is held while the bytes cross, so a slow host never blocks
-`publish()`; a slot rewritten under a transfer fails the relay's checksums and is never served. Every call is bounded (weights.collective_timeout_s): a host whose relay died,
-froze or lost its link is logged by name, its group is torn down, and its relay (or the replica that replaces
-it) joins again and is sent the latest version at once. A slow host never delays another: their links are
-independent, and `publish()` never waits for any of them.
+One thread per host (`HostLink`) sends the newest version not yet acknowledged; a host that lags gets only the newest
+(versions in between are never wanted). No lock is held while the bytes cross, so a slow host never blocks `publish()`;
+a slot rewritten under a transfer fails the relay's checksums and is never served. Every call is bounded
+(weights.collective_timeout_s): a host whose relay died, froze or lost its link is logged by name, its group is torn
+down, and its relay (or the replica that replaces it) joins again and is sent the latest version at once. A slow host
+never delays another: their links are independent, and `publish()` never waits for any of them.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import torch
 from dgrpo.weights.collective_group import (
     WILDCARDS,
     CollectiveError,
+    CollectiveRefused,
     PairGroup,
     listen_socket,
     local_address_towards,
@@ -79,9 +80,10 @@ class HostLink:
         state = self.sender.hosts[self.key]
         version, floor = 0, 0
         try:
-            self._group = PairGroup(0, self.address, 0, cfg.collective_timeout_s, self.address, listen=self._sock)
-            log.info("weights: host %s joined (collective group, gloo); sending it version %d", self.name,
-                     self.sender.latest_version())
+            self._group = PairGroup(0, self.address, 0, cfg.collective_timeout_s, self.address,
+                                    self.sender.backend, listen=self._sock, device=self.sender.device)
+            log.info("weights: host %s joined (collective group, %s); sending it version %d", self.name,
+                     self.sender.backend, self.sender.latest_version())
             while not self._stopped.is_set():
                 ann = self.sender.wait_newer(max(floor, state.acked), cfg.collective_timeout_s / 3, self._stopped)
                 if self._stopped.is_set():
@@ -104,6 +106,9 @@ class HostLink:
                 seconds = time.perf_counter() - t0
                 log.info("weights: host %s has version %d (%.1f MB in %.3fs, %.2f Gbit/s)", self.name, acked,
                          ann.nbytes / 1e6, seconds, ann.nbytes * 8 / max(seconds, 1e-9) / 1e9)
+        except CollectiveRefused as e:
+            state.failures += 1
+            log.error("weights: host %s: %s", self.name, e)
         except CollectiveError as e:
             if self._stopped.is_set():
                 return
@@ -150,9 +155,11 @@ class HostLink:
 class CollectiveSender:
     """All hosts' links; the publisher calls `published` after each version and `join` for each relay's request."""
 
-    def __init__(self, cfg, slots):
-        """`slots`: the publisher's `_Slots` (segments, locks, announced) the bytes are read from."""
-        self.cfg, self._slots = cfg, slots
+    def __init__(self, cfg, slots, backend: str = "gloo", device: torch.device | None = None):
+        """`slots`: the publisher's `_Slots` (segments, locks, announced) the bytes are read from. `backend`: every
+        host's group uses it (weights/collective_backends.py); `device`: where nccl / hccl stage each chunk (the
+        learner's own device)."""
+        self.cfg, self._slots, self.backend, self.device = cfg, slots, backend, device
         self.cond = threading.Condition()
         self._latest: Announcement | None = None
         self.hosts: dict[str, HostState] = {}

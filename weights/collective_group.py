@@ -8,10 +8,10 @@ backend's process group built on it, as vLLM's `stateless_init_torch_distributed
 `weights.bind_host`, so nothing listens beyond loopback unless configured) and gloo's pairs bind the address each side
 names, not whatever the machine's hostname resolves to (which, in a network namespace or a container, may not exist).
 
-Every call waits at most the group's timeout (gloo's own per-operation timeout); a call that fails or times out
-leaves the group unusable, and the caller aborts it and forms a new one. The backend comes from the device
-(`dgrpo.common.devices.weight_collective_backend`); only gloo is built here: weight bytes travel between host
-buffers (the learner's slot and the relay host's shared memory), where gloo moves them at the link's speed.
+Every call waits at most the group's timeout; a call that fails or times out leaves the group unusable, and the
+caller aborts it and forms a new one. How the bytes move is the backend's (weights/collective_backends.py: gloo moves
+host buffers; nccl and hccl stage them through device memory with vLLM's / vllm-ascend's communicators); the caller
+always hands host tensors in and gets host tensors back.
 """
 
 from __future__ import annotations
@@ -22,13 +22,16 @@ import socket
 
 import torch
 
+from dgrpo.weights.collective_backends import (  # noqa: F401 (CollectiveRefused: re-exported)
+    CollectiveError,
+    CollectiveRefused,
+    check_device,
+    open_channel,
+)
+
 log = logging.getLogger(__name__)
 
 WILDCARDS = ("", "*", "0.0.0.0", "::")
-
-
-class CollectiveError(RuntimeError):
-    """A group call failed or timed out: the peer is gone, stopped answering, or the link is down."""
 
 
 def listen_socket(bind_host: str) -> socket.socket:
@@ -53,42 +56,42 @@ class PairGroup:
     """Rank 0 (the learner) or rank 1 (a relay) of a two-rank group; `broadcast` from rank 0, `allreduce` (sum)."""
 
     def __init__(self, rank: int, store_host: str, port: int, timeout_s: float, address: str,
-                 backend: str = "gloo", listen: socket.socket | None = None):
+                 backend: str = "gloo", listen: socket.socket | None = None, device: torch.device | None = None):
         """Blocks until both ranks joined (at most `timeout_s`). Rank 0 passes the `listen` socket its store serves
         on; rank 1 connects to `store_host:port`. `address`: the local address gloo binds (a wildcard: gloo's own
-        choice, the hostname's address or GLOO_SOCKET_IFNAME)."""
+        choice, the hostname's address or GLOO_SOCKET_IFNAME). `device`: where nccl / hccl stage the bytes."""
         from torch.distributed import PrefixStore, TCPStore
 
-        if backend != "gloo":
-            raise ValueError(f"weight collective backend {backend!r}: only gloo is built (weights.transport="
-                             "collective moves host buffers)")
-        self.rank, self.timeout_s = rank, timeout_s
+        self.rank, self.timeout_s, self.backend = rank, timeout_s, backend
+        side = "learner" if rank == 0 else "sampler's relay"
+        check_device(backend, device, side)
         timeout = datetime.timedelta(seconds=timeout_s)
         try:
             if rank == 0:
                 store = TCPStore(store_host, port, 2, True, timeout, master_listen_fd=listen.detach())
             else:
                 store = TCPStore(store_host, port, 2, False, timeout)
-            self._pg = _gloo(PrefixStore("dgrpo-weights", store), rank, timeout, address)
+            self._pg = open_channel(backend, PrefixStore("dgrpo-weights", store), rank, timeout_s, address, WILDCARDS,
+                                    device, side)
+        except CollectiveError:
+            raise
         except (RuntimeError, TimeoutError, OSError) as e:  # torch's Dist*Error are RuntimeErrors
             raise CollectiveError(f"forming the weight group failed: {type(e).__name__}: {_first_line(e)}") from None
         self._store = store  # the pairs are connected; the store stays for the group's lifetime
 
     def broadcast(self, tensor: torch.Tensor) -> None:
-        """Rank 0's `tensor` into rank 1's (same size and dtype)."""
-        from torch.distributed.distributed_c10d import BroadcastOptions
-
-        opts = BroadcastOptions()
-        opts.rootRank, opts.rootTensor = 0, 0
-        self._call(lambda: self._pg.broadcast([tensor], opts).wait(), "broadcast")
+        """Rank 0's `tensor` into rank 1's (same size and dtype; contiguous, on the host)."""
+        self._call(lambda: self._pg.broadcast(tensor), "broadcast")
 
     def allreduce(self, tensor: torch.Tensor) -> None:
         """Sum of both ranks' `tensor`, in place on both: the relay's acknowledgement reaches the learner."""
-        self._call(lambda: self._pg.allreduce([tensor]).wait(), "allreduce")
+        self._call(lambda: self._pg.allreduce(tensor), "allreduce")
 
     def _call(self, fn, what: str) -> None:
         try:
             fn()
+        except CollectiveError:
+            raise
         except (RuntimeError, TimeoutError, OSError) as e:
             raise CollectiveError(f"{what} failed: {_first_line(e)}") from None
 
@@ -98,17 +101,6 @@ class PairGroup:
             self._pg.abort()
         except RuntimeError as e:  # already broken: nothing left to close
             log.debug("aborting a weight group: %s", e)
-
-
-def _gloo(store, rank: int, timeout: datetime.timedelta, address: str):
-    from torch.distributed.distributed_c10d import ProcessGroupGloo
-
-    opts = ProcessGroupGloo._Options()
-    opts._timeout = timeout
-    device = (ProcessGroupGloo.create_default_device() if address in WILDCARDS
-              else ProcessGroupGloo.create_device(hostname=address))
-    opts._devices = [device]
-    return ProcessGroupGloo(store, rank, 2, opts)
 
 
 def _first_line(e: BaseException) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from dgrpo.common.config import StrictConfig
 
@@ -63,6 +63,14 @@ class WeightSyncConfig(StrictConfig):
     """collective: bound on every step of a host's group (forming it, each chunk of a version, each acknowledgement,
     the keep-alive sent every third of it while idle). A host that exceeds it is logged by name, its group is torn
     down, and its relay rejoins and is sent the latest version again."""
+    collective_backend: Literal["auto", "gloo", "nccl", "hccl"] = "auto"
+    """collective: how each host's group moves bytes (weights/collective_backends.py). auto: the learner's device
+    decides (nccl on CUDA, hccl on Ascend, gloo on CPU) and samplers follow it. gloo: host memory over TCP on any
+    device. nccl / hccl: the communicators vLLM's `nccl` and vllm-ascend's `hccl` weight-transfer engines use (NCCL /
+    HCCL networking, e.g. RDMA), each chunk staged through a buffer on the learner's device and on the relay's first
+    device (a device context and one chunk of its memory in the sampler's API process). A learner or relay whose
+    communicator would be switched off (library missing, VLLM_DISABLE_PYNCCL) refuses the group with the reason.
+    Samplers: auto, or the learner's value (another is refused by name)."""
     collective_chunk_mb: int = Field(default=64, ge=1, le=4096)
     """collective: a version crosses in broadcasts of this many MB, each bounded by collective_timeout_s (a chunk
     must cross the slowest link within it: 64 MB at 1 Gbit/s takes 0.5 s)."""
@@ -74,3 +82,11 @@ class WeightSyncConfig(StrictConfig):
     gather_bucket_mb: int = Field(default=512, ge=1)
     """Sharded (FSDP2) learner: each publish all-gathers the full tensors in buckets of about this many MB, the gathers
     of a bucket overlapping (Actor.named_weights, weights/gather.py); peak extra memory is one bucket."""
+
+    @model_validator(mode="after")
+    def _backend_needs_collective(self) -> WeightSyncConfig:
+        if self.collective_backend != "auto" and self.transport != "collective":
+            raise ValueError(f"weights.collective_backend={self.collective_backend} applies to "
+                             f"weights.transport=collective only, and weights.transport is {self.transport!r}: "
+                             "leave it auto, or set weights.transport=collective")
+        return self

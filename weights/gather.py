@@ -58,9 +58,11 @@ def layout(model: torch.nn.Module) -> list[tuple[str, list[int]]]:
 
 
 def full_tensors(
-    model: torch.nn.Module, bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype: torch.dtype | None = None
+    model: torch.nn.Module, bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype: torch.dtype | None = None,
+    trainable_only: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, full tensor) for every parameter, gathering at most ~`bucket_bytes` at a time.
+    """Yield (HF name, full tensor) for every parameter (`trainable_only`: those that require grad, e.g. a LoRA
+    adapter's), gathering at most ~`bucket_bytes` at a time.
 
     Must be iterated to the end on every rank of the model's mesh (the gathers are collectives). Tied parameters
     appear once (named_parameters de-duplicates), as in the checkpoint.
@@ -68,6 +70,8 @@ def full_tensors(
     bucket: list[tuple[str, torch.nn.Parameter]] = []
     size = 0
     for name, param in model.named_parameters():
+        if trainable_only and not param.requires_grad:
+            continue
         nbytes = param.numel() * (dtype.itemsize if dtype is not None else param.element_size())
         if bucket and size + nbytes > bucket_bytes:
             yield from _gathered(bucket, dtype)

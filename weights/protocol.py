@@ -16,7 +16,7 @@ from google.protobuf.message import DecodeError
 
 from dgrpo.v1 import weights_pb2 as pb
 
-PROTOCOL = 1
+PROTOCOL = 2
 """Revision of the weight channel; bumped on any incompatible change of weights.proto or the slot layout."""
 TOPIC = b"weights"
 """zmq topic of announcements (the first frame of each)."""

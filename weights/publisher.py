@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 import zmq
 
+from dgrpo.common import tracing
 from dgrpo.weights import protocol
 from dgrpo.weights.config import WeightSyncConfig
 from dgrpo.weights.protocol import Announcement, ProtocolError
@@ -82,8 +83,10 @@ class WeightPublisher:
     """Publishes weight versions to every sampler; `close()` (or the context manager) removes the segments."""
 
     def __init__(self, cfg: WeightSyncConfig, run_id: str, dtype: str | torch.dtype = "bfloat16",
-                 token: bytes | None = None):
-        """`token`: the run's shared secret; with it every message is signed and unsigned requests are refused."""
+                 token: bytes | None = None, device: str | torch.device = "cpu"):
+        """`token`: the run's shared secret; with it every message is signed and unsigned requests are refused.
+        `device`: the learner's device (rank 0's); collective: weights.collective_backend=auto follows it, and nccl /
+        hccl stage each chunk there."""
         if not RUN_ID.match(run_id):
             raise ValueError(f"run_id={run_id!r}: use 1-64 characters from A-Z a-z 0-9 _ . - (it names shm segments)")
         self.cfg, self.run_id, self.dtype = cfg, run_id, dtype_name(dtype)
@@ -93,9 +96,12 @@ class WeightPublisher:
         self._slots = _Slots(cfg, run_id)
         self._collective = None
         if cfg.transport == "collective":
+            from dgrpo.common.devices import weight_collective_backend
             from dgrpo.weights.collective import CollectiveSender
 
-            self._collective = CollectiveSender(cfg, self._slots)
+            device = torch.device(device)
+            backend = weight_collective_backend(cfg.collective_backend, device.type)
+            self._collective = CollectiveSender(cfg, self._slots, backend, device)
         self.incarnation = secrets.randbits(63) or 1
         """Tells this process's versions from an earlier learner's of the same run (subscriber.py follows a new one)."""
         self._latest: Announcement | None = None
@@ -127,11 +133,13 @@ class WeightPublisher:
     # --- publishing ---
 
     def publish(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
-                layout: list[tuple[str, list[int]]] | None = None) -> PublishStats:
+                layout: list[tuple[str, list[int]]] | None = None, adapter_config: str | None = None) -> PublishStats:
         """Write `named_tensors` (HF checkpoint names) as `version` and announce it. Versions must increase.
 
         `layout` ([(name, shape)] in iteration order) lets a lazy iterable be streamed (`weights.stream`); a list or
-        a dict's items give their own."""
+        a dict's items give their own. `adapter_config` (PEFT's adapter_config.json) marks the version as a LoRA
+        adapter whose tensors carry PEFT's saved names (dgrpo.weights.lora); an adapter is a few MB and is never
+        streamed: samplers load it from files once it is complete."""
         if self._finalizer.alive is False:
             raise RuntimeError("publish() after close()")
         if not self._thread.is_alive():  # samplers would never hear of this version: fail the run loudly instead
@@ -144,7 +152,7 @@ class WeightPublisher:
         if layout is None and isinstance(named_tensors, (list, tuple, ItemsView)):
             named_tensors = list(named_tensors)
             layout = [(name, list(t.shape)) for name, t in named_tensors]
-        stream = self.cfg.stream and self.cfg.transport == "shm" and layout is not None
+        stream = self.cfg.stream and self.cfg.transport == "shm" and layout is not None and not adapter_config
         with self._slots.locks[slot]:
             self._slots.announced[slot] = None
             writer = self._slots.writers[slot]
@@ -154,7 +162,7 @@ class WeightPublisher:
 
                 written = writer.write_streamed(layout, named_tensors, version, self.dtype, self.run_id, started)
             else:
-                written = writer.write(named_tensors, version, self.dtype, self.run_id)
+                written = writer.write(named_tensors, version, self.dtype, self.run_id, adapter_config or "")
             announcement = self._announcement(version, slot, written)
             self._slots.announced[slot] = announcement
         t1 = time.perf_counter()
@@ -170,8 +178,9 @@ class WeightPublisher:
         t2 = time.perf_counter()
         stats = PublishStats(version, slot, written.nbytes, len(written.manifest.tensors),
                              write_s=t1 - t0, announce_s=t2 - t1, total_s=t2 - t0)
-        log.info("published weights v%d to slot %d: %.1f MB in %.3fs (%.1f GB/s), manifest %016x", version, slot,
-                 stats.nbytes / 1e6, stats.total_s, stats.write_gbps, announcement.manifest_xxh3)
+        log.info("published %s v%d to slot %d: %.1f MB in %.3fs (%.1f GB/s), manifest %016x",
+                 "LoRA adapter" if adapter_config else "weights", version, slot, stats.nbytes / 1e6, stats.total_s,
+                 stats.write_gbps, announcement.manifest_xxh3)
         return stats
 
     def _announcement(self, version: int, slot: int, written: WrittenSlot, streaming: bool = False) -> Announcement:
@@ -180,7 +189,7 @@ class WeightPublisher:
             self.run_id, version, slot=slot, seq=written.seq, transport=protocol.TRANSPORTS[self.cfg.transport],
             segment=seg.path.name if isinstance(seg, ShmSegment) else "", nbytes=written.nbytes,
             manifest_xxh3=written.manifest_xxh3, manifest=written.manifest, streaming=streaming,
-            incarnation=self.incarnation,
+            incarnation=self.incarnation, traceparent=tracing.traceparent(),
         )
 
     def _announce(self, announcement: Announcement) -> None:
@@ -265,7 +274,7 @@ class WeightPublisher:
             raise ProtocolError(f"a relay asked to join a collective group, but this learner's weights.transport is "
                                 f"{self.cfg.transport!r} (learner and samplers must both use collective)")
         port = self._collective.join(join.host_key, join.host_name, join.address)
-        return protocol.group_reply(port, "gloo", self.cfg.collective_timeout_s)
+        return protocol.group_reply(port, self._collective.backend, self.cfg.collective_timeout_s)
 
     @property
     def hosts(self) -> dict:

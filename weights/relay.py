@@ -33,6 +33,7 @@ import zmq
 
 from dgrpo.weights import protocol
 from dgrpo.weights.collective import HEAD, KIND_KEEPALIVE, KIND_VERSION
+from dgrpo.weights.collective_backends import CollectiveRefused, local_device
 from dgrpo.weights.collective_group import CollectiveError, PairGroup, local_address_towards
 from dgrpo.weights.config import WeightSyncConfig
 from dgrpo.weights.protocol import Announcement, ProtocolError
@@ -168,6 +169,8 @@ class HostRelay:
                 self._group = self._join()
                 failures = 0  # joined: a later failure is a new outage
                 self._receive()
+            except CollectiveRefused as e:
+                log.error("weights: no group with the learner at %s: %s", self.cfg.host, e)
             except CollectiveError as e:
                 if not self._stop.is_set():
                     log.error("weights: the group with the learner at %s failed (%s); rejoining", self.cfg.host, e)
@@ -198,9 +201,12 @@ class HostRelay:
         finally:
             sock.close(linger=0)
         group = protocol.decode_reply(frames[0]).group
-        if group.backend != "gloo":
-            raise ProtocolError(f"the learner offers a {group.backend!r} group; this relay speaks gloo")
-        return PairGroup(1, self.cfg.host, group.port, group.timeout_s, address)
+        mine = self.cfg.collective_backend
+        if mine not in ("auto", group.backend):
+            raise CollectiveRefused(f"the learner's group is {group.backend} (its weights.collective_backend), this "
+                                    f"sampler's weights.collective_backend is {mine!r}: set the same on both")
+        device = None if group.backend == "gloo" else local_device(group.backend)
+        return PairGroup(1, self.cfg.host, group.port, group.timeout_s, address, group.backend, device=device)
 
     # --- receiving ---
 
@@ -265,7 +271,8 @@ class HostRelay:
             return 0
         local = Announcement()
         local.CopyFrom(ann)
-        local.transport, local.segment, local.seq, local.streaming = protocol.TRANSPORTS["shm"], seg.path.name, seq, False
+        local.transport, local.segment = protocol.TRANSPORTS["shm"], seg.path.name
+        local.seq, local.streaming = seq, False
         tmp = self.index_path.with_name(f"{self.index_path.name}.{os.getpid()}.tmp")
         tmp.write_bytes(local.SerializeToString())
         os.replace(tmp, self.index_path)  # atomic: a replica reads the previous index or this one, never a mix

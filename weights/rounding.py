@@ -48,7 +48,8 @@ def stochastic_bf16(t: torch.Tensor, generator: torch.Generator, pool: torch.Ten
     return out.bitwise_right_shift_(16).to(torch.int16).view(torch.bfloat16).reshape(t.shape)
 
 
-def publish_cast(dtype: torch.dtype, rounding: str, seed: int) -> tuple[torch.dtype, Callable[[torch.Tensor], torch.Tensor]]:
+def publish_cast(dtype: torch.dtype, rounding: str,
+                 seed: int) -> tuple[torch.dtype, Callable[[torch.Tensor], torch.Tensor]]:
     """How one publish turns master weights into the published `dtype`: (the dtype to gather them in, the cast).
     Stochastic for bf16 when asked (gathered as fp32, one pool of draws for all tensors); otherwise the gather
     itself casts to nearest and the cast is the identity."""

@@ -135,14 +135,15 @@ class SlotWriter:
         self.seq = 0
 
     def write(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, dtype: str,
-              run_id: str) -> WrittenSlot:
-        """Cast + copy every tensor into the slot, seqlock-protected; return the manifest."""
+              run_id: str, adapter_config: str = "") -> WrittenSlot:
+        """Cast + copy every tensor into the slot, seqlock-protected; return the manifest. `adapter_config`: PEFT's
+        adapter_config.json when the tensors are a LoRA adapter (dgrpo.weights.lora)."""
         target = DTYPES[dtype]
         buf = self._ensure(HEADER_BYTES)
         self.seq += 1  # odd: a write is in progress, readers reject the slot
         struct.pack_into("<Q", buf, SEQ_OFFSET, self.seq)
         struct.pack_into("<8s", buf, 0, MAGIC)
-        manifest = Manifest(run_id=run_id, version=version, dtype=dtype)
+        manifest = Manifest(run_id=run_id, version=version, dtype=dtype, adapter_config=adapter_config)
         offset = HEADER_BYTES
         for name, tensor in named_tensors:
             nbytes = tensor.numel() * target.itemsize

@@ -45,8 +45,10 @@ from typing import Protocol
 import zmq
 import zmq.asyncio
 
+from dgrpo.common import tracing
 from dgrpo.weights import protocol
 from dgrpo.weights.config import WeightSyncConfig
+from dgrpo.weights.lora import check_adapter
 from dgrpo.weights.protocol import Announcement, ProtocolError
 from dgrpo.weights.shm import ShmSegment, owner_tag, reclaim_stale
 from dgrpo.weights.slot import WeightIntegrityError
@@ -150,9 +152,11 @@ class WeightSubscriber:
     """Keeps one target on the newest weight version the learner has published."""
 
     def __init__(self, cfg: WeightSyncConfig, target: WeightTarget, expected_shapes: dict[str, list[int]],
-                 token: bytes | None = None):
-        """`token`: the run's shared secret; with it only signed announcements and replies are accepted."""
-        self.cfg, self.target, self._shapes = cfg, target, expected_shapes
+                 token: bytes | None = None, adapters: bool = False):
+        """`token`: the run's shared secret; with it only signed announcements and replies are accepted.
+        `adapters`: the target serves LoRA adapters (learner.lora): versions must be adapters of the checkpoint whose
+        shapes are `expected_shapes`, and full-weight versions are refused (and the other way round)."""
+        self.cfg, self.target, self._shapes, self.adapters = cfg, target, expected_shapes, adapters
         self._signer = protocol.Signer(token)
         self.run_id: str | None = None
         self.current: Announcement | None = None
@@ -301,6 +305,14 @@ class WeightSubscriber:
         return ann.version > self.target.weight_version
 
     def _check_manifest(self, ann: Announcement) -> str | None:
+        adapter = ann.manifest.adapter_config
+        if bool(adapter) != self.adapters:
+            what = "a LoRA adapter" if adapter else "full weights"
+            serves = "LoRA adapters" if self.adapters else "full weights (learner.lora off or merge_on_sync)"
+            return f"weight version {ann.version} is {what}; this replica serves {serves}: its stack config differs"
+        if adapter:
+            problem = check_adapter([(t.name, list(t.shape)) for t in ann.manifest.tensors], adapter, self._shapes)
+            return None if problem is None else f"weight version {ann.version}: {problem}"
         for t in ann.manifest.tensors:
             expected = self._shapes.get(t.name)
             if expected is None:
@@ -314,26 +326,32 @@ class WeightSubscriber:
         async with self._lock:
             if not self._is_new(ann):
                 return False
-            t0 = time.perf_counter()
-            staged = await self._stage(ann)
-            if staged is None:
-                return False
-            ref, fetch_s = staged
-            t1 = time.perf_counter()
-            async with self.target.paused() as pause_s:
-                t2 = time.perf_counter()
-                ref, ann = await self._apply_or_recover(ref, ann)
-                t3 = time.perf_counter()
-                self.target.set_version(ref.version)
-                done_at = time.perf_counter()
-                self.run_id, self.current = ann.run_id, ann
-            t4 = time.perf_counter()
-            self.last_stats = LoadStats(ref.version, ann.nbytes, ref.streamed, fetch_s, t1 - t0 - fetch_s, pause_s,
-                                        t3 - t2, t4 - t3, t4 - t0, done_at)
-            log.info("loaded weight version %d (%.1f MB%s) in %.3fs: fetch %.3f stage %.3f pause %.3f load %.3f "
-                     "resume %.3f; manifest %016x", ref.version, ann.nbytes / 1e6, ", streamed" if ref.streamed else "",
-                     t4 - t0, fetch_s, t1 - t0 - fetch_s, pause_s, t3 - t2, t4 - t3, ann.manifest_xxh3)
-            return True
+            # Each replica's load is a span of the step whose publish it loads (the traceparent in the announcement).
+            with tracing.span_from("load_weights", ann.traceparent, weight_version=ann.version):
+                return await self._load_new(ann)
+
+    async def _load_new(self, ann: Announcement) -> bool:
+        """`load` past the newness check, under the lock."""
+        t0 = time.perf_counter()
+        staged = await self._stage(ann)
+        if staged is None:
+            return False
+        ref, fetch_s = staged
+        t1 = time.perf_counter()
+        async with self.target.paused() as pause_s:
+            t2 = time.perf_counter()
+            ref, ann = await self._apply_or_recover(ref, ann)
+            t3 = time.perf_counter()
+            self.target.set_version(ref.version)
+            done_at = time.perf_counter()
+            self.run_id, self.current = ann.run_id, ann
+        t4 = time.perf_counter()
+        self.last_stats = LoadStats(ref.version, ann.nbytes, ref.streamed, fetch_s, t1 - t0 - fetch_s, pause_s,
+                                    t3 - t2, t4 - t3, t4 - t0, done_at)
+        log.info("loaded weight version %d (%.1f MB%s) in %.3fs: fetch %.3f stage %.3f pause %.3f load %.3f "
+                 "resume %.3f; manifest %016x", ref.version, ann.nbytes / 1e6, ", streamed" if ref.streamed else "",
+                 t4 - t0, fetch_s, t1 - t0 - fetch_s, pause_s, t3 - t2, t4 - t3, ann.manifest_xxh3)
+        return True
 
     async def _stage(self, ann: Announcement) -> tuple[SlotRef, float] | None:
         """Checked, fetched (tcp) and verified `ann`, or None after logging why it is rejected."""

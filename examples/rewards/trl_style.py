@@ -18,7 +18,7 @@ def reward_func(prompts, completions, answer, **kwargs):
     """The built-in `length_and_reference` as a TRL function: +0.5 for 10..200 characters, +0.5 when the answer
     appears in the completion."""
     rewards = []
-    for completion, golden in zip(completions, answer):
+    for completion, golden in zip(completions, answer, strict=True):
         text = _text(completion)
         score = 0.0
         if 10 <= len(text) <= 200:
@@ -32,7 +32,7 @@ def reward_func(prompts, completions, answer, **kwargs):
 def last_number_matches(prompts, completions, answer, **kwargs):
     """1.0 when the last number of the completion equals the answer; None (not applicable) without an answer."""
     out = []
-    for completion, golden in zip(completions, answer):
+    for completion, golden in zip(completions, answer, strict=True):
         if golden is None:
             out.append(None)
             continue

@@ -1,6 +1,7 @@
 """deploy/: the compose files validate with a real compose implementation, every service command is a valid dgrpo
-configuration of today's StackConfig, and the topology keeps its promises (scalable samplers without host ports,
-shared memory and PID namespace held by `shm` for the learner and samplers, gRPC health checks, restart policies, one device set per service).
+configuration of today's StackConfig, and the topology keeps its promises (scalable samplers without host ports, shared
+memory and PID namespace held by `shm` for the learner and samplers, gRPC health checks, restart policies, one device
+set per service).
 
 There is no Docker engine here: `docker compose config` / `docker-compose config` parse, merge and interpolate the
 files exactly as `up` would, without starting anything. CI installs Debian's compose with
@@ -223,3 +224,46 @@ def test_entrypoint_runs_learner_under_torchrun(tmp_path):
     proc = subprocess.run([str(DEPLOY / "entrypoint.sh"), "dgrpo", "rewarder", "--help"], capture_output=True,
                           text=True, env=env, timeout=60, check=False)
     assert proc.returncode == 0 and proc.stdout.count("dgrpo rewarder:") == 1
+
+
+@needs_compose
+def test_metrics_override_scrapes_every_service():
+    """docker-compose.metrics.yml: each service's metrics endpoint on the port deploy/prometheus.yml scrapes, valid
+    keys, nothing published but Prometheus' UI on the host's loopback; without the file no service serves metrics."""
+    from dgrpo.cli.stack import StackConfig
+    from dgrpo.common.config import load_config
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DGRPO_", "COMPOSE_"))}
+    args = [*COMPOSE, "-f", str(DEPLOY / "docker-compose.yml"), "-f", str(DEPLOY / "docker-compose.metrics.yml")]
+    proc = subprocess.run([*args, "config"], capture_output=True, text=True, env=env, cwd=ROOT, check=False)
+    assert proc.returncode == 0, proc.stderr
+    services = yaml.safe_load(proc.stdout)["services"]
+    scrape = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())["scrape_configs"]
+    targets = {job["job_name"]: job for job in scrape}
+    ports = {"learner": targets["dgrpo-learner"]["static_configs"][0]["targets"][0].split(":")[1],
+             "rewarder": targets["dgrpo-rewarder"]["static_configs"][0]["targets"][0].split(":")[1],
+             "sampler": str(targets["dgrpo-sampler"]["dns_sd_configs"][0]["port"])}
+    assert targets["dgrpo-sampler"]["dns_sd_configs"][0]["names"] == ["sampler"]  # every replica, --scale included
+    for name, port in ports.items():
+        svc = services[name]
+        overrides = svc["environment"]["DGRPO_OVERRIDES"].split()
+        key = "learner.trainer" if name == "learner" else name
+        assert f"{key}.metrics_port={port}" in overrides and f"{key}.metrics_host=0.0.0.0" in overrides
+        assert str(port) in [str(p) for p in svc.get("expose", [])]
+        assert port not in [_port(p)[2] for p in svc.get("ports", [])], f"{name}'s metrics port is published"
+        _, config, command_overrides = dgrpo_command(svc["command"])
+        load_config(StackConfig, config, [*command_overrides, *overrides])
+    assert [_port(p) for p in services["prometheus"]["ports"]] == [("127.0.0.1", "9090", "9090")]
+    volume = services["prometheus"]["volumes"][0]
+    assert (volume["source"] if isinstance(volume, dict) else volume.split(":")[0]) == str(DEPLOY / "prometheus.yml")
+    for name, svc in dgrpo_services("cpu").items():
+        assert not any("metrics_port" in a for a in svc["command"]), name
+        assert "metrics_port" not in (svc.get("environment") or {}).get("DGRPO_OVERRIDES", "")
+
+
+def _port(p: str | dict) -> tuple[str, str, str]:
+    """(host ip, published, target) of a port as compose v1 (`127.0.0.1:9090:9090/tcp`) or v2 (a mapping) prints it."""
+    if isinstance(p, dict):
+        return p.get("host_ip", ""), str(p.get("published", "")), str(p["target"])
+    parts = p.split("/")[0].split(":")
+    return (parts[0] if len(parts) == 3 else ""), (parts[-2] if len(parts) > 1 else ""), parts[-1]

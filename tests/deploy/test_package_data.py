@@ -47,7 +47,8 @@ def test_non_editable_install_ships_the_configs(tmp_path):
     # venv's own: a plain path line, so the environment's editable dgrpo finder (a .pth of its own) is not loaded.
     Path(site, "borrowed.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     install = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps",
-                              "--no-build-isolation", "--no-index", str(src)], capture_output=True, text=True, timeout=600, cwd=tmp_path, check=False)
+                              "--no-build-isolation", "--no-index", str(src)], capture_output=True, text=True,
+                             timeout=600, cwd=tmp_path, check=False)
     assert install.returncode == 0, install.stdout[-3000:] + install.stderr[-3000:]
 
     code = ("import dgrpo.cli.up as up; print(up.__file__); print(up.DEMO_CONFIG); "
@@ -61,8 +62,9 @@ def test_non_editable_install_ships_the_configs(tmp_path):
     expected = sorted(p.name for p in (ROOT / "configs").glob("*.yaml"))
     assert names.split() == expected, f"installed configs {names} != configs/ {expected}"
 
-    # The installed command resolves the shipped demo config like any other.
-    shown = subprocess.run([str(venv / "bin" / "dgrpo"), "show-config", "--config", demo], capture_output=True,
-                           text=True, timeout=300, cwd=tmp_path, check=False)
-    assert shown.returncode == 0, shown.stderr[-3000:]
-    assert "run_name: cpu_demo" in shown.stdout
+    # The installed command, and `python -m dgrpo`, resolve the shipped demo config like any other.
+    for command in ([str(venv / "bin" / "dgrpo")], [str(python), "-m", "dgrpo"]):
+        shown = subprocess.run([*command, "show-config", "--config", demo], capture_output=True, text=True,
+                               timeout=300, cwd=tmp_path, check=False)
+        assert shown.returncode == 0, shown.stderr[-3000:]
+        assert "run_name: cpu_demo" in shown.stdout

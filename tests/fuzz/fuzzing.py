@@ -1,5 +1,6 @@
-"""Fuzzing helpers shared by tests/fuzz (`from fuzz.fuzzing import ...`): messages drawn from proto descriptors, byte mutations of valid messages,
-raw-bytes gRPC calls (the server's own deserializer sees every example), and the "still healthy" checks.
+"""Fuzzing helpers shared by tests/fuzz (`from fuzz.fuzzing import ...`): messages drawn from proto descriptors, byte
+mutations of valid messages, raw-bytes gRPC calls (the server's own deserializer sees every example), and the "still
+healthy" checks.
 
 Every server runs in its own process with the run's token; the body fuzzers send it, the metadata fuzzers vary it.
 Hypothesis keeps no example database (`database=None`), so nothing is written into the repository.
@@ -61,7 +62,8 @@ def texts(huge: bool = True) -> st.SearchStrategy[str]:
              st.sampled_from(["\0", "\u202e", "\U0010ffff", "🙂" * 100, "../../etc/passwd"])]
     if not huge:
         return st.one_of(*short)
-    return st.one_of(*short, st.builds(lambda c, n: c * n, st.sampled_from("a\0é🙂"), st.sampled_from([4096, HUGE_TEXT])))
+    return st.one_of(*short,
+                     st.builds(lambda c, n: c * n, st.sampled_from("a\0é🙂"), st.sampled_from([4096, HUGE_TEXT])))
 
 
 def scalar(field: d.FieldDescriptor, huge: bool = True) -> st.SearchStrategy:
@@ -99,10 +101,10 @@ def _repeated(element: st.SearchStrategy, bulk: st.SearchStrategy, long: int) ->
 def messages(draw, cls: type[Message], depth: int = 3, long: int = 300, overrides: dict | None = None,
              huge: bool = True) -> Message:
     """A `cls` message with every field drawn (or left unset), oneofs one member or none, maps and nested messages to
-    `depth` levels. `overrides`: field name -> strategy, to keep an expensive field cheap (the sampler's n). `long`:
-    the length of long repeated fields (0: none); `huge`: whether long texts may appear. Bodies stay far below the 256 MiB
-    limit: long texts only in the top two levels' short lists, long lists only of elements with short texts and
-    lists (tests/fuzz/test_fuzz_sizes.py)."""
+    `depth` levels. `overrides`: field name -> strategy, to keep an expensive field cheap (the sampler's n). `long`: the
+    length of long repeated fields (0: none); `huge`: whether long texts may appear. Bodies stay far below the 256 MiB
+    limit: long texts only in the top two levels' short lists, long lists only of elements with short texts and lists
+    (tests/fuzz/test_fuzz_sizes.py)."""
     msg = cls()
     desc = msg.DESCRIPTOR
     chosen = {o.name: draw(st.sampled_from([None, *[f.name for f in o.fields]])) for o in desc.oneofs

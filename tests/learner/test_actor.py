@@ -55,7 +55,7 @@ def test_logprobs_match_a_plain_forward(tiny_model, layout):
     actor = make_actor(tiny_model, temperature=0.7, actor=layout)
     seqs = make_seqs(6, groups=True)
     got = actor.compute_logprobs(seqs)
-    for s, lp in zip(seqs, got):
+    for s, lp in zip(seqs, got, strict=True):
         ids = torch.tensor([s.prompt_ids + s.completion_ids])
         with torch.no_grad():
             logits = actor.policy(input_ids=ids).logits[0].float() / 0.7  # [L, V]
@@ -202,7 +202,7 @@ def test_updates_move_logprobs_in_the_advantage_direction(tiny_model):
     for _ in range(3):
         actor.update(seqs, group_size=4)
     after = actor.compute_logprobs(seqs)
-    for s, b, a in zip(seqs, before, after):
+    for s, b, a in zip(seqs, before, after, strict=True):
         assert (a.sum() - b.sum()).item() * s.advantage > 0
 
 
@@ -223,7 +223,7 @@ def test_bf16_autocast_and_gradient_checkpointing(tiny_model):
     plain.update(seqs, group_size=4)
     ckpt = make_actor(tiny_model, actor={"gradient_checkpointing": True})
     ckpt.update(seqs, group_size=4)
-    for (n, a), b in zip(params(plain).items(), params(ckpt).values()):
+    for (n, a), b in zip(params(plain).items(), params(ckpt).values(), strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=n)
     m = make_actor(tiny_model, actor={"dtype": "bfloat16"}).update(seqs, group_size=4)
     assert math.isfinite(m["actor/loss"]) and math.isfinite(m["actor/grad_norm"])

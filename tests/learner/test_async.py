@@ -6,7 +6,6 @@ One module-scoped stack serves every test. Order matters: the last test kills a 
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import threading
@@ -16,8 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 import yaml
-from loop_support import fixed_port, read_jsonl, sampler_info, start_rewarder
-from support import ServiceProcess, free_port
+from loop_support import fixed_port, read_jsonl, replicas_and_rewarder, sampler_info, write_sums
 
 from dgrpo.v1 import learner_pb2, learner_pb2_grpc
 
@@ -27,35 +25,20 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def stack(tiny_model, tmp_path_factory):
     root = tmp_path_factory.mktemp("async")
-    announce, control = fixed_port(), fixed_port()
-    weights = [f"weights.announce_port={announce}", f"weights.control_port={control}", "weights.pause_mode=keep"]
-    samplers = [
-        ServiceProcess("sampler", [f"model.path={tiny_model}", "model.dtype=float32", f"sampler.port={port}",
-                                   "sampler.host=127.0.0.1", "sampler.enforce_eager=true", "sampler.max_model_len=512",
-                                   f"sampler.replica_id=r{i}", "sampler.shutdown_grace_s=1", *weights], port)
-        for i, port in enumerate([free_port(), free_port()])
-    ]
-    rewarder = start_rewarder(free_port())
-    try:
-        for svc in [rewarder, *samplers]:
-            svc.wait_ready(timeout=400)
-        rows = [{"prompt": f"What is {a}+{b}?", "answer": str(a + b)} for a in range(5) for b in range(5)]
-        (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-        (root / "val.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:2]))
+    with replicas_and_rewarder(tiny_model, pause_mode="keep") as (samplers, rewarder, weights):
         config = {
             "model": {"path": str(tiny_model), "dtype": "float32"},
             "sampler": {"addresses": [s.address for s in samplers], "max_model_len": 512},
-            "weights": {"announce_port": announce, "control_port": control, "pause_mode": "keep"},
+            "weights": weights,
             "learner": {
-                "data": {"train_files": [str(root / "train.jsonl")], "val_files": [str(root / "val.jsonl")],
-                         "train_batch_size": 2, "max_prompt_length": 64, "seed": 5},
+                "data": {**write_sums(root, 5), "train_batch_size": 2, "max_prompt_length": 64, "seed": 5},
                 "rollout": {"n": 4, "max_response_length": 24, "seed": 3, "rewarder_address": rewarder.address,
                             "max_staleness": 2},
                 # A deliberately slow update (4 epochs of 2 mini-batches, micro-batches of 1) next to fast
                 # sampling: the batches sampled ahead are as stale as allowed.
                 "actor": {"ppo_mini_batch_size": 1, "micro_batch_size_per_device": 1, "ppo_epochs": 4,
                           "dtype": "float32", "compute_entropy": False},
-                "algorithm": {"off_policy": "tis"} if _has_off_policy() else {"tis_cap": 2.0},
+                "algorithm": {"off_policy": "tis"},
                 "optim": {"lr": 1e-3},
                 "checkpoint": {"save_freq": 0, "keep_last": None},
                 "trainer": {"total_training_steps": 4, "test_freq": 2, "control_port": 0,
@@ -64,18 +47,6 @@ def stack(tiny_model, tmp_path_factory):
         }
         (root / "stack.yaml").write_text(yaml.safe_dump(config))
         yield {"root": root, "config": root / "stack.yaml", "samplers": samplers, "rewarder": rewarder}
-    finally:
-        for svc in [rewarder, *samplers]:
-            if svc.proc.poll() is None:
-                svc.proc.terminate()
-        for svc in [rewarder, *samplers]:
-            svc.stop(timeout=30)
-
-
-def _has_off_policy() -> bool:
-    from dgrpo.learner.actor_config import AlgorithmConfig
-
-    return "off_policy" in AlgorithmConfig.model_fields
 
 
 def _learner(stack, run: str, *overrides: str, timeout: float = 600) -> subprocess.CompletedProcess:

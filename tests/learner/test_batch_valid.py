@@ -34,7 +34,8 @@ def _expected(rewards: list[float | None], g: int, scale: str, eps: float = 1e-6
 
 @pytest.mark.parametrize("scale", ["group", "batch", "none"])
 def test_invalid_completions_leave_the_baseline(scale):
-    rewards = [1.0, 0.0, None, 0.5, 2.0, None, None, None, 3.0, 3.0, None, 3.0, 0.0, 1.0, 2.0, 4.0, 7.0, None, None, 1.0]
+    rewards = [1.0, 0.0, None, 0.5, 2.0, None, None, None, 3.0, 3.0,
+               None, 3.0, 0.0, 1.0, 2.0, 4.0, 7.0, None, None, 1.0]
     valid = torch.tensor([r is not None for r in rewards])
     # What the learner holds for an invalid completion: the mean of its group's valid rewards (any value would do).
     filled = torch.tensor([9.9 if r is None else r for r in rewards])

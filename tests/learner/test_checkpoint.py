@@ -59,7 +59,7 @@ def test_resume_continues_exactly(tiny_model, tmp_path):
     resumed_metrics = resumed.update(batch(2), group_size=4)
     assert resumed_metrics["actor/lr"] == metrics["actor/lr"] == pytest.approx(2e-3 / 3)  # the schedule continued
     assert resumed_metrics["actor/loss"] == metrics["actor/loss"]
-    for (name, a), b in zip(weights(run).items(), weights(resumed).values()):
+    for (name, a), b in zip(weights(run).items(), weights(resumed).values(), strict=True):
         assert torch.equal(a, b), name
 
 
@@ -72,7 +72,7 @@ def test_model_only_checkpoint_restarts_the_optimizer(tiny_model, tmp_path):
     fresh = make_actor(tiny_model)
     assert load_checkpoint(fresh, path) == {}
     assert fresh.step == 3 and fresh.optimizer.state_dict()["state"] == {}
-    for (name, a), b in zip(weights(actor).items(), weights(fresh).values()):
+    for (name, a), b in zip(weights(actor).items(), weights(fresh).values(), strict=True):
         assert torch.equal(a, b), name
 
 

@@ -62,7 +62,8 @@ def test_overlong_penalty_is_verls(max_len, buffer_len, factor):
                         max_len)
     assert reward.rewards == pytest.approx(expected, abs=1e-6)
     assert reward.breakdown[lengths.index(max_len)]["overlong_reward"] == pytest.approx(-factor)
-    assert all(b["overlong_reward"] == 0 for n, b in zip(lengths, reward.breakdown) if n <= max_len - buffer_len)
+    assert all(b["overlong_reward"] == 0
+               for n, b in zip(lengths, reward.breakdown, strict=True) if n <= max_len - buffer_len)
 
 
 def test_overlong_buffer_off_and_invalid_completions():
@@ -80,7 +81,7 @@ def test_overlong_buffer_off_and_invalid_completions():
 def verl_kept_uids(uids, values):
     """RayDAPOTrainer.fit's filter, as verl writes it."""
     prompt_uid2metric_vals = defaultdict(list)
-    for uid, metric_val in zip(uids, values):
+    for uid, metric_val in zip(uids, values, strict=True):
         prompt_uid2metric_vals[uid].append(metric_val)
     prompt_uid2metric_std = {}
     for prompt_uid, metric_vals in prompt_uid2metric_vals.items():
@@ -101,7 +102,7 @@ def test_filter_keeps_what_verl_keeps(metric):
         lengths = [rng.choice([5, 10, 15, 16]) for _ in range(n)] if g % 2 else [8] * n
         score = [a - 0.5 for a in acc]
         reward = group_reward(score, breakdown=[{"compute_score/acc": a, "compute_score/score": s}
-                                                for a, s in zip(acc, score)])
+                                                for a, s in zip(acc, score, strict=True)])
         dapo.apply_overlong(reward, lengths, cfg, 16)
         final = verl_dapo_rewards(score, lengths, 16, 4, 1.0)
         values = {"acc": acc, "score": score, "seq_reward": final, "seq_final_reward": final}[metric]

@@ -231,7 +231,8 @@ def test_verl_parquet_rows_score_with_verl_and_dotted_fields(tmp_path, tokenizer
                 "gsm8k": data_source == "openai/gsm8k"}
 
     kind, scored = call_function(user_function(compute_score, "auto", {}), [rec.prompt] * 2,
-                                 [[{"role": "assistant", "content": "#### 4"}], [{"role": "assistant", "content": "3"}]],
+                                 [[{"role": "assistant", "content": "#### 4"}],
+                                  [{"role": "assistant", "content": "3"}]],
                                  columns)
     assert kind == "ok" and scored.values == [1.0, 0.0] and scored.extras[0] == {"index": 2.0, "gsm8k": 1.0}
 

@@ -13,7 +13,8 @@ REWARDS = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0])  # two groups o
 
 
 def close(actual, expected, tol=1e-5):
-    assert torch.allclose(torch.as_tensor(actual, dtype=torch.float32), torch.tensor(expected, dtype=torch.float32), atol=tol), actual
+    assert torch.allclose(torch.as_tensor(actual, dtype=torch.float32), torch.tensor(expected, dtype=torch.float32),
+                          atol=tol), actual
 
 
 def test_group_scale():

@@ -1,7 +1,7 @@
 """A replica that hangs never stalls the rollout: two real sampler processes (tiny model), one of them frozen the way
 a stuck host looks from outside (its whole process group SIGSTOPped: no error, no closed connection), or only its
-engine frozen (gRPC answers, the engine never steps), or made a straggler (stopped most of the time). Every freeze
-is bounded and undone in `finally`.
+engine frozen (gRPC answers, the engine never steps), or made a straggler (its engine held until a hedge of its
+prompts has delivered). Every freeze is bounded and undone in `finally`.
 
 What is claimed is read from the client's own RolloutStats and the groups it yields: every prompt's group exactly
 once, while the frozen replica is still frozen (its process state is checked), the frozen replica marked unhealthy
@@ -16,14 +16,13 @@ import os
 import shutil
 import signal
 import subprocess
-import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
 import pytest
-from support import ServiceProcess, free_port
+from support import ServiceProcess, free_port, group_pids
 
 from dgrpo.learner.rollout import RolloutClient, RolloutConfig, RolloutStats, make_prompt
 from dgrpo.v1 import sampler_pb2
@@ -31,8 +30,12 @@ from dgrpo.v1 import sampler_pb2
 pytestmark = pytest.mark.slow
 
 PROMPT = list(range(100, 120))
-# Quick detection for the test: a frozen peer is dropped after 2 + 2 s of unanswered pings.
-FAST = {"keepalive_s": 2.0, "keepalive_timeout_s": 2.0, "retry_backoff_s": 0.2, "max_backoff_s": 1.0,
+# Tokens per completion of a batch during which b is frozen or cut off: enough that b still holds its prompts when
+# the fault lands, however busy the machine (b's share of a 96-token batch could finish before a loaded test froze it).
+LONG = 400
+# Quick detection for the test: a frozen peer is dropped after 5 + 5 s of unanswered pings (2 + 2 s also dropped the
+# healthy replica, busy with both shares, on a machine loaded by other work).
+FAST = {"keepalive_s": 5.0, "keepalive_timeout_s": 5.0, "retry_backoff_s": 0.2, "max_backoff_s": 1.0,
         "probe_timeout_s": 2.0, "step_timeout_s": 300.0}
 
 
@@ -55,18 +58,6 @@ def samplers(tiny_model):
             svc.stop(timeout=30)
 
 
-def group_pids(pgid: int) -> list[int]:
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if os.getpgid(int(entry.name)) == pgid:
-                    out.append(int(entry.name))
-            except ProcessLookupError:
-                pass
-    return out
-
-
 def stopped(pid: int) -> bool:
     """The process is in state T (stopped)."""
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
@@ -83,8 +74,9 @@ def frozen(pids: list[int]):
             os.kill(pid, signal.SIGCONT)
 
 
-async def collect(client: RolloutClient, tag: str, n_prompts: int, max_tokens: int) -> tuple[list, RolloutStats]:
-    stats = RolloutStats()
+async def collect(client: RolloutClient, tag: str, n_prompts: int, max_tokens: int,
+                  stats: RolloutStats | None = None) -> tuple[list, RolloutStats]:
+    stats = stats if stats is not None else RolloutStats()
     prompts = [make_prompt(f"{tag}-{i}", PROMPT) for i in range(n_prompts)]
     params = sampler_pb2.SamplingParams(n=2, max_tokens=max_tokens, temperature=1.0)
     groups = [g async for g in client.generate(prompts, params, stats=stats)]
@@ -122,9 +114,10 @@ def test_a_frozen_replica_gives_its_prompts_to_the_other_and_comes_back(samplers
         client = RolloutClient([a.address, b.address], cfg)
         try:
             # 1. b's whole process group frozen while it holds half of the step's prompts.
-            task = asyncio.create_task(collect(client, "one", 8, 96))
+            pids = group_pids(b.proc.pid)
+            task = asyncio.create_task(collect(client, "one", 8, LONG))
             await wait_running(client, b.address)
-            with frozen(group_pids(b.proc.pid)):
+            with frozen(pids):
                 groups, stats = await task
                 assert stopped(b.proc.pid), "b was resumed before the rollout finished: it proved nothing"
                 assert_each_once(groups, "one", 8)
@@ -172,7 +165,7 @@ def test_a_partitioned_replica_is_found_by_keepalive_and_used_again_once_reachab
     async def scenario():
         client = RolloutClient([a.address, b.address], cfg)
         try:
-            task = asyncio.create_task(collect(client, "cut", 8, 96))
+            task = asyncio.create_task(collect(client, "cut", 8, LONG))
             await wait_running(client, b.address)
             with partitioned(b.port):
                 groups, stats = await task
@@ -192,14 +185,16 @@ def test_an_engine_that_stops_stepping_is_found_by_the_progress_check(samplers):
     """Only b's engine core and workers frozen: its gRPC server answers pings and Info, so no keepalive fires;
     Info's engine_steps standing still while b holds prompts does."""
     a, b = samplers
-    cfg = RolloutConfig(**FAST, progress_timeout_s=6.0, hedge_after_s=None)
+    # Keepalive as by default (10 s, 5 s): this is the progress check's case, which must fire before any keepalive.
+    cfg = RolloutConfig(**{**FAST, "keepalive_s": 10.0, "keepalive_timeout_s": 5.0}, progress_timeout_s=6.0,
+                        hedge_after_s=None)
     engine = [pid for pid in group_pids(b.proc.pid) if pid != b.proc.pid]
     assert engine, "the sampler has no engine processes of its own"
 
     async def scenario():
         client = RolloutClient([a.address, b.address], cfg)
         try:
-            task = asyncio.create_task(collect(client, "eng", 8, 96))
+            task = asyncio.create_task(collect(client, "eng", 8, LONG))
             await wait_running(client, b.address)
             with frozen(engine):
                 groups, stats = await task
@@ -214,40 +209,69 @@ def test_an_engine_that_stops_stepping_is_found_by_the_progress_check(samplers):
 
 
 def test_a_straggler_is_hedged_on_the_idle_replica(samplers):
-    """b runs a tenth of the time (stopped 0.45 s, running 0.05 s, bounded by the call): it still answers every
-    ping, so it is slow, not hung. After 1 s of having nothing to do, a takes b's prompts too; first group wins."""
+    """b's engine makes no progress until a hedge of its prompts has delivered on a (bounded; its gRPC server
+    answers every ping and Info meanwhile, so b is slow, not hung): a straggler slower than the hedge on any machine
+    load, so that which copy wins does not depend on how busy the machine is. After 1 s of having nothing to do, a
+    takes b's prompts too; the first group wins, b's late copies are dropped."""
     a, b = samplers
     cfg = RolloutConfig(**{**FAST, "keepalive_s": 10.0, "keepalive_timeout_s": 5.0}, progress_timeout_s=120.0,
-                        hedge_after_s=1.0)
-    done = threading.Event()
+                        hedge_after_s=1.0, hedge_after_share=0.0)
+    engine = [pid for pid in group_pids(b.proc.pid) if pid != b.proc.pid]
+    assert engine, "the sampler has no engine processes of its own"
+    stats = RolloutStats()
 
-    def throttle(pids: list[int]) -> None:
-        deadline = time.monotonic() + 120
-        try:
-            while not done.is_set() and time.monotonic() < deadline:
-                for pid in pids:
-                    os.kill(pid, signal.SIGSTOP)
-                done.wait(0.45)
-                for pid in pids:
-                    os.kill(pid, signal.SIGCONT)
-                done.wait(0.05)
-        finally:
-            for pid in pids:
-                os.kill(pid, signal.SIGCONT)
+    def a_delivered_one_of_b_prompts() -> bool:
+        return stats.hedged_prompts > 0 and stats.groups_by_replica["r0"] > 4
 
     async def scenario():
         client = RolloutClient([a.address, b.address], cfg)
-        throttler = threading.Thread(target=throttle, args=(group_pids(b.proc.pid),), daemon=True)
         try:
-            throttler.start()
-            groups, stats = await collect(client, "hedge", 8, 64)
+            with frozen(engine):
+                task = asyncio.create_task(collect(client, "hedge", 8, 64, stats))
+                deadline = time.monotonic() + 120
+                while not a_delivered_one_of_b_prompts() and not task.done():
+                    assert time.monotonic() < deadline, f"no hedge delivered in 120 s: {stats}"
+                    await asyncio.sleep(0.05)
+                assert all(stopped(pid) for pid in engine)  # b's engine made no progress until now
+            groups, _ = await task
         finally:
-            done.set()
-            throttler.join(10)
             await client.close()
         assert_each_once(groups, "hedge", 8)
         assert stats.hedged_prompts >= 1, stats
         assert stats.groups_by_replica["r0"] > 4, stats.groups_by_replica  # a delivered some of b's share
+        assert not stats.unhealthy_replicas, "a slow replica was taken for a hung one"
+
+    asyncio.run(scenario())
+
+
+def test_a_straggler_is_hedged_on_the_busy_replica_from_its_engine_step_rate(samplers):
+    """The straggler watch: b's engine does not step (held until a has delivered one of b's prompts, bounded) while
+    a is still busy with its own chunk. Idle hedging would wait a minute; the watch sees b stepping slower than half
+    of a at two checks in a row and duplicates b's prompts on a at once, so the batch ends long before that."""
+    a, b = samplers
+    cfg = RolloutConfig(**{**FAST, "keepalive_s": 10.0, "keepalive_timeout_s": 5.0}, progress_timeout_s=120.0,
+                        hedge_after_s=60.0, hedge_after_share=0.0, straggler_speed=0.5, straggler_check_s=0.5)
+    engine = [pid for pid in group_pids(b.proc.pid) if pid != b.proc.pid]
+    assert engine, "the sampler has no engine processes of its own"
+    stats = RolloutStats()
+
+    async def scenario():
+        client = RolloutClient([a.address, b.address], cfg)
+        try:
+            start = time.monotonic()
+            with frozen(engine):
+                task = asyncio.create_task(collect(client, "watch", 8, 64, stats))
+                while not (stats.hedged_prompts and stats.groups_by_replica["r0"] > 4) and not task.done():
+                    assert time.monotonic() - start < 50, f"no hedge delivered in 50 s: {stats}"
+                    await asyncio.sleep(0.05)
+            groups, _ = await task
+            took = time.monotonic() - start
+        finally:
+            await client.close()
+        assert_each_once(groups, "watch", 8)
+        assert stats.hedged_prompts == 4, stats  # all of b's chunk, in one hedge
+        assert stats.groups_by_replica["r0"] > 4, stats.groups_by_replica
+        assert took < cfg.hedge_after_s, f"{took:.0f} s: the hedge waited for a to go idle"
         assert not stats.unhealthy_replicas, "a slow replica was taken for a hung one"
 
     asyncio.run(scenario())

@@ -37,7 +37,8 @@ def config_file(tmp_path_factory):
          "learner.data.train_files[0]='/nonexistent/train.jsonl': no such file"),
         ("learner.data.val_files=[data.csv]", "learner.data.val_files[0]='data.csv': unknown format"),
         ("learner.rollout.max_response_length=500",
-         "learner.data.max_prompt_length=64 + learner.rollout.max_response_length=500 exceeds sampler.max_model_len=512"),
+         ("learner.data.max_prompt_length=64 + learner.rollout.max_response_length=500 exceeds "
+          "sampler.max_model_len=512")),
         ("learner.trainer.run_name=a/b", "learner.trainer.run_name='a/b'"),
         ("learner.rollout.temprature=0.7", "learner.rollout.temprature: unknown key"),
     ],

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import time
 
-from dgrpo.learner.metrics import MetricsLogger, StepTimer, console_line
+import pytest
+
+from dgrpo.common.config import ConfigError
+from dgrpo.learner.metrics import MetricsLogger, StepTimer, check_loggers, console_line, mlflow_key
 
 
 def test_timer_names_the_slowest_phase():
@@ -35,3 +39,20 @@ def test_jsonl_appends_across_restarts_and_tensorboard_writes(tmp_path):
     acc = EventAccumulator(str(tmp_path / "tensorboard"))
     acc.Reload()
     assert [e.value for e in acc.Scalars("reward/mean")] == [1.0, 2.0]
+
+
+def test_mlflow_without_a_tracking_store_is_refused_naming_the_variable(monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    if importlib.util.find_spec("sqlalchemy") is None:  # mlflow-skinny (the extra): no default store
+        with pytest.raises(ConfigError, match=r"learner.trainer.loggers=\['console', 'mlflow'\]: 'mlflow' has no "
+                                              r"tracking store: MLFLOW_TRACKING_URI is unset"):
+            check_loggers(["console", "mlflow"])
+    else:  # the full mlflow package: its default sqlite store works
+        check_loggers(["console", "mlflow"])
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow:5000")
+    check_loggers(["console", "mlflow"])
+
+
+def test_mlflow_keys():
+    assert mlflow_key("rollout/groups_by_replica/host:50051") == "rollout/groups_by_replica/host_50051"
+    assert mlflow_key("reward/fn/math_verify") == "reward/fn/math_verify"

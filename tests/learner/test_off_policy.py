@@ -17,7 +17,7 @@ from dgrpo.cli.stack import StackConfig
 from dgrpo.common.config import ConfigError, load_config, to_yaml
 from dgrpo.learner import grpo
 from dgrpo.learner.actor import Actor, StepSums
-from dgrpo.learner.actor_config import ActorConfig, AlgorithmConfig, OptimConfig
+from dgrpo.learner.actor_config import ActorConfig, AlgorithmConfig, MaskedIS, OptimConfig, TruncatedIS
 from dgrpo.learner.batch import Sequence
 
 NEW_METRICS = {"actor/is_weight_mean", "actor/is_weight_max", "actor/off_policy_masked_frac"}
@@ -121,6 +121,26 @@ def test_tis_cap_alone_still_means_tis_and_tis_defaults_its_cap():
     assert cfg.learner.algorithm.off_policy == "tis"
     again = StackConfig.model_validate(yaml.safe_load(to_yaml(cfg)))
     assert again.learner.algorithm == cfg.learner.algorithm
+
+
+def test_the_keys_make_one_typed_correction_and_the_loss_takes_it():
+    """The flat keys users write become one variant (`AlgorithmConfig.correction`); the loss's inputs derived from it
+    are the separate helpers' results."""
+    assert AlgorithmConfig().correction is None
+    assert AlgorithmConfig(tis_cap=3.0).correction == TruncatedIS(3.0)
+    assert AlgorithmConfig(off_policy="mask", off_policy_band=(0.25, 4.0), off_policy_level="sequence").correction \
+        == MaskedIS((0.25, 4.0), "sequence", None)
+    g = torch.Generator().manual_seed(0)
+    prox, behav = torch.randn(3, 5, generator=g), torch.randn(3, 5, generator=g)  # [B, T]
+    mask = torch.ones(3, 5)
+    assert grpo.off_policy_weights(None, prox, behav, mask) == (None, None)
+    w, keep = grpo.off_policy_weights(TruncatedIS(2.0), prox, behav, mask)
+    assert torch.equal(w, grpo.truncated_is_weights(prox, behav, 2.0)) and keep is None
+    w, keep = grpo.off_policy_weights(MaskedIS((0.5, 2.0), "token", 3.0), prox, behav, mask)
+    assert torch.equal(w, grpo.truncated_is_weights(prox, behav, 3.0))
+    assert torch.equal(keep, grpo.off_policy_keep(prox, behav, mask, (0.5, 2.0), "token"))
+    w, keep = grpo.off_policy_weights(MaskedIS((0.5, 2.0), "sequence"), prox, behav, mask)
+    assert w is None and torch.equal(keep, grpo.off_policy_keep(prox, behav, mask, (0.5, 2.0), "sequence"))
 
 
 @pytest.mark.parametrize(

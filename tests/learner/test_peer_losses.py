@@ -281,7 +281,8 @@ def test_actor_applies_dual_clip_and_reports_its_fraction(tiny_model):
 
     actor = make(clip_ratio_c=3.0)
     logps = actor.compute_logprobs(seqs)
-    seqs = [Sequence(s.prompt_ids, s.completion_ids, s.advantage, (lp - 2.0).tolist()) for s, lp in zip(seqs, logps)]
+    seqs = [Sequence(s.prompt_ids, s.completion_ids, s.advantage, (lp - 2.0).tolist())
+            for s, lp in zip(seqs, logps, strict=True)]
     neg = sum(len(s.completion_ids) for s in seqs if s.advantage < 0)
     total = sum(len(s.completion_ids) for s in seqs)
     m = actor.update(seqs, group_size=4)

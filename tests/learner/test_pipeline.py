@@ -39,7 +39,7 @@ class Sampler:
         groups = [sampler_pb2.Group(prompt_id=f"s{step}-{i}", completions=[
             sampler_pb2.Completion(token_ids=[5, 6, 7], weight_version=max(self.serving, min_version),
                                    first_weight_version=first)]) for i in range(len(batch))]
-        return [Scored(r, g) for r, g in zip(batch, groups)], RolloutStats(calls=1), 0.0
+        return [Scored(r, g) for r, g in zip(batch, groups, strict=True)], RolloutStats(calls=1), 0.0
 
 
 def test_fill_keeps_k_batches_ahead_with_their_version_floor():

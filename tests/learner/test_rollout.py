@@ -75,3 +75,70 @@ def test_score_group_formats_and_failed_completions_are_masked():
     assert reward.rewards == [1.0, 0.5, 0.0]  # the failed one takes the mean of the valid ones
     assert reward.valid == [True, False, True] and reward.errors == ["boom"]
     assert reward.spec == "math@2#abcdef01" and reward.breakdown[0] == {"math_verify": 1.0}
+
+
+def test_the_hedge_delay_is_a_share_of_the_batch_so_far_with_a_floor():
+    """A replica idle for 2 s hedges a 4 s-old batch, but waits 10 s in a 40 s-old one: equal replicas finish within a
+    fraction of each other at every batch length."""
+    from dgrpo.learner.rollout_batch import Batch, RolloutStats
+
+    client = RolloutClient(["127.0.0.1:1"], RolloutConfig(hedge_after_s=2.0, hedge_after_share=0.25))
+    batch = Batch({}, asyncio.Queue(), asyncio.Queue(), RolloutStats(), sampler_pb2.SamplingParams(), 0)
+    batch.started -= 4.0
+    assert client._hedge_delay(batch) == pytest.approx(2.0)
+    batch.started -= 36.0
+    assert client._hedge_delay(batch) == pytest.approx(10.0, abs=0.05)
+    fixed = RolloutClient(["127.0.0.1:1"], RolloutConfig(hedge_after_s=2.0, hedge_after_share=0.0))
+    assert fixed._hedge_delay(batch) == 2.0
+
+
+def test_a_replica_stepping_slower_than_half_the_fastest_at_two_checks_in_a_row_is_a_straggler():
+    from dgrpo.learner.stragglers import StepRates
+
+    rates = StepRates(0.5)
+    assert rates.observe(0.0, {"a": 0, "b": 0}) == []  # no rate yet
+    assert rates.observe(1.0, {"a": 20, "b": 5}) == []  # b slow once: a slow prefill, a pause
+    assert rates.observe(2.0, {"a": 40, "b": 10}) == ["b"]  # twice in a row
+    assert rates.rates == {"a": 20.0, "b": 5.0}
+    assert rates.observe(3.0, {"a": 60, "b": 25}) == []  # b keeps up again (15/s >= half of 20/s)
+    # A replica that stops answering Info counts as not stepping; one that finished its prompts is forgotten but
+    # its last rate still says what a healthy engine does.
+    assert rates.observe(4.0, {"b": None}) == []
+    assert rates.observe(5.0, {"b": None}) == ["b"]
+    assert rates.observe(6.0, {"a": 60, "b": 70}) == []  # b caught up (15/s); a holds prompts again: a new window
+    assert rates.observe(7.0, {"a": 80, "b": 85}) == [] and rates.rates["a"] == 20.0  # not 20 steps over 4 s
+    # Replicas of equal speed with noise are never stragglers; nothing stepping at all says nothing.
+    even = StepRates(0.5)
+    assert [even.observe(t, {"a": 10 * t + (t % 2) * 3, "b": 9 * t}) for t in range(6)] == [[]] * 6
+    idle = StepRates(0.5)
+    assert [idle.observe(t, {"a": 7, "b": 7}) for t in range(4)] == [[]] * 4
+
+
+def test_a_straggler_of_the_previous_batch_needs_one_slow_check_and_a_recovered_one_is_cleared():
+    from dgrpo.learner.stragglers import StepRates
+
+    first = StepRates(0.5)
+    first.observe(0.0, {"a": 0, "b": 0, "c": 0})
+    first.observe(1.0, {"a": 20, "b": 2, "c": 19})
+    assert first.observe(2.0, {"a": 40, "b": 4, "c": 38}) == ["b"]
+    assert first.next_suspects() == {"b"}
+    second = StepRates(0.5, suspects=first.next_suspects())
+    second.observe(0.0, {"a": 0, "b": 0})
+    assert second.observe(1.0, {"a": 20, "b": 3}) == ["b"]  # at its first slow check
+    third = StepRates(0.5, suspects={"b", "gone"})
+    third.observe(0.0, {"a": 0, "b": 0})
+    assert third.observe(1.0, {"a": 20, "b": 18}) == []  # b keeps up again: no longer a suspect
+    assert third.next_suspects() == {"gone"}  # never checked: still suspected
+
+
+def test_a_replica_that_finished_its_prompts_between_two_checks_still_gives_its_rate():
+    """A fast replica can finish its chunk before its first rate: its last window still shows what a healthy
+    engine does, so the one still holding prompts without stepping is found."""
+    from dgrpo.learner.stragglers import StepRates
+
+    rates = StepRates(0.5)
+    assert rates.observe(0.0, {"a": 0, "b": 0}) == []
+    assert rates.watched() == {"a", "b"}
+    assert rates.observe(0.25, {"a": 10, "b": 0}, holding={"b"}) == []  # a is done: read once more, then forgotten
+    assert rates.rates["a"] == 40.0 and rates.watched() == {"b"}
+    assert rates.observe(0.5, {"b": 0}, holding={"b"}) == ["b"]

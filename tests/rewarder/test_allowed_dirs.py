@@ -11,9 +11,8 @@ import grpc
 import pytest
 import yaml
 
+from dgrpo.learner.reward_client import score_group
 from dgrpo.rewarder.config import RewarderConfig
-from dgrpo.rewarder.convert import groups_to_proto
-from dgrpo.rewarder.scorer import GroupInput
 from dgrpo.rewarder.server import create_server
 from dgrpo.rewarder.spec import SpecError, allowed_dirs, check_paths, parse_spec_text
 from dgrpo.v1 import rewarder_pb2 as pb
@@ -90,7 +89,8 @@ def test_reload_is_confined_to_the_allowed_folders_over_grpc(tmp_path, tiny_rewa
         "model outside": _spec(tiny_reward_model, "model"),
         "model symlink": _spec(rewards / "model-link", "model"),
     }
-    secrets = {"secret.txt": "TOPSECRET_abc123", "secret.py": "TOPSECRET_def456", "secret_syntax.py": "TOPSECRET_ghi789"}
+    secrets = {"secret.txt": "TOPSECRET_abc123", "secret.py": "TOPSECRET_def456",
+               "secret_syntax.py": "TOPSECRET_ghi789"}
 
     async def scenario():
         server, scorer = create_server(config)
@@ -100,7 +100,7 @@ def test_reload_is_confined_to_the_allowed_folders_over_grpc(tmp_path, tiny_rewa
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
                 stub = rewarder_pb2_grpc.RewarderStub(channel)
-                request = groups_to_proto([GroupInput("q", "p", ["a", "b"])])
+                request = pb.ScoreRequest(groups=[score_group("q", "p", ["a", "b"], {})])
 
                 async def reward() -> tuple[int, float]:
                     response = await stub.Score(request, timeout=60)

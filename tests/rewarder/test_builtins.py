@@ -6,13 +6,15 @@ import math
 
 import pytest
 
+from dgrpo.learner.reward_client import score_group
 from dgrpo.rewarder.builtins import build_builtin
 from dgrpo.rewarder.config import RewardSpec, function_name
-from dgrpo.rewarder.convert import groups_from_proto, groups_to_proto
+from dgrpo.rewarder.convert import groups_from_proto
 from dgrpo.rewarder.reward_model import pack_by_budget
 from dgrpo.rewarder.scorer import GroupInput
 from dgrpo.rewarder.spec import SpecError, build_functions, parse_spec_text, snapshot
 from dgrpo.rewarder.worker import call_function, check_values
+from dgrpo.v1 import rewarder_pb2
 
 
 def fn(**cfg):
@@ -171,10 +173,13 @@ def test_content_hash_follows_the_file_contents(tmp_path):
 
 
 def test_proto_round_trip_keeps_extra_columns_and_chat():
+    """The learner's request builder (learner/reward_client.py, the one that ships) into the rewarder's reader."""
     groups = [
         GroupInput("a", "What is 1+2?", ["3", "4"], {"answer": 3, "tags": ["x", 2.5], "meta": {"level": 1}}),
         GroupInput("b", [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}], ["hello"]),
     ]
-    back = groups_from_proto(groups_to_proto(groups, group_size=0))
+    request = rewarder_pb2.ScoreRequest(groups=[score_group(g.prompt_id, g.prompt, g.completions, g.extra)
+                                                for g in groups])
+    back = groups_from_proto(request)
     assert back == groups
     assert isinstance(back[0].extra["answer"], int)

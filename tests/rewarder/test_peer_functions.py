@@ -313,7 +313,8 @@ def test_multi_turn_conversations_reach_the_functions(tmp_path):
                  sampler_pb2.ChatMessage(role="tool", name="calculator", content="5535"),
                  sampler_pb2.ChatMessage(role="assistant", content="5535")]
     cut_off = [sampler_pb2.ChatMessage(role="assistant", content="4000", tool_calls=[call]),
-               sampler_pb2.ChatMessage(role="tool", name="calculator", content="5535")]  # the tool said it, not the model
+               # the tool said it, not the model
+               sampler_pb2.ChatMessage(role="tool", name="calculator", content="5535")]
 
     group = score_group("g", [{"role": "user", "content": "What is 123*45?"}], ["5535", "4000"],
                         {"answer": "5535", "ground_truth": "5535"}, [[1, 2], [3]], [with_tool, cut_off])

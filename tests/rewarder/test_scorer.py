@@ -72,6 +72,13 @@ def test_conversational_format_reaches_user_functions(reward_file):
 
 
 def test_failures_are_per_completion_and_the_pool_heals(reward_file):
+    from prometheus_client import REGISTRY
+
+    def timeouts(function: str) -> float:
+        return REGISTRY.get_sample_value("dgrpo_rewarder_function_timeouts_total", {"function": function}) or 0.0
+
+    before = {f: timeouts(f) for f in ("hangs", "crashes")}
+
     async def scenario():
         scorer = make_scorer([
             {"type": "length", "max_length": 100},
@@ -107,6 +114,8 @@ def test_failures_are_per_completion_and_the_pool_heals(reward_file):
     assert all(not s.ok for s in crash) and "exit code 7" in crash[1].message
     assert hang[1].breakdown["length"] == 1.0 and hang[1].reward == 0.0
     assert alive == 2
+    # Prometheus: the hung call counts as a timeout, the crash does not.
+    assert (timeouts("hangs") - before["hangs"], timeouts("crashes") - before["crashes"]) == (1.0, 0.0)
     assert [s.ok for s in again.groups[0]] == [False, False, False, True]
 
 

@@ -13,8 +13,7 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from dgrpo.rewarder.convert import groups_to_proto
-from dgrpo.rewarder.scorer import GroupInput
+from dgrpo.learner.reward_client import score_group
 from dgrpo.v1 import rewarder_pb2 as pb
 from dgrpo.v1 import rewarder_pb2_grpc
 
@@ -73,9 +72,9 @@ def test_rewarder_service_end_to_end(tmp_path, service_factory, free_port):
         assert {"dgrpo.v1.Rewarder", "grpc.health.v1.Health"} <= services
         stub = rewarder_pb2_grpc.RewarderStub(channel)
 
-        request = groups_to_proto([
-            GroupInput("q1", "1+2?", ["it is 3", "it is 4"], {"answer": 3}),
-            GroupInput("q2", [{"role": "user", "content": "2+2?"}], ["4", "\\boxed{5}"], {"answer": 4}),
+        request = pb.ScoreRequest(groups=[
+            score_group("q1", "1+2?", ["it is 3", "it is 4"], {"answer": 3}),
+            score_group("q2", [{"role": "user", "content": "2+2?"}], ["4", "\\boxed{5}"], {"answer": 4}),
         ], group_size=2)
         response = stub.Score(request, timeout=60)
         assert (response.spec.name, response.spec.version, len(response.spec.content_hash)) == ("trl", 1, 64)
@@ -90,8 +89,8 @@ def test_rewarder_service_end_to_end(tmp_path, service_factory, free_port):
 
         for bad, message in [
             (pb.ScoreRequest(), "no groups"),
-            (groups_to_proto([GroupInput("a", "p", ["x"], {"answer": 1})], group_size=2), "group_size is 2"),
-            (groups_to_proto([GroupInput("a", "p", [])]), "has no completions"),
+            (pb.ScoreRequest(groups=[score_group("a", "p", ["x"], {"answer": 1})], group_size=2), "group_size is 2"),
+            (pb.ScoreRequest(groups=[score_group("a", "p", [], {})]), "has no completions"),
         ]:
             with pytest.raises(grpc.RpcError) as err:
                 stub.Score(bad, timeout=30)

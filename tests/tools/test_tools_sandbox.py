@@ -248,7 +248,8 @@ def test_strict_refuses_to_start_without_cap_sys_admin(tmp_path):
               "    print('STARTED')\n"
               "except SandboxUnavailable as e:\n"
               "    print('REFUSED', e)\n"
-              f"r = ToolRunner(builtin_toolset('calculator'), ToolLimits(), {str(tmp_path / 'b')!r}, sandbox='process')\n"
+              f"r = ToolRunner(builtin_toolset('calculator'), ToolLimits(), {str(tmp_path / 'b')!r}, "
+              "sandbox='process')\n"
               "print(r.isolation)\n")
     out = subprocess.run(["setpriv", "--bounding-set", "-sys_admin", "--inh-caps", "-sys_admin", sys.executable, "-c",
                           script], check=False, capture_output=True, text=True, timeout=120)

@@ -30,7 +30,7 @@ two_hosts = pytest.mark.skipif(available() is not None, reason=str(available()))
 HERE = Path(__file__).parent
 SMALL = {f"model.layers.{i}.w": [256, 1024 + 64 * i] for i in range(4)}  # ~2.2 MB in bf16
 LARGE = {f"model.layers.{i}.w": [1024, 3072] for i in range(4)}  # ~25 MB in bf16
-LINK_DOWN_S = 12.0
+LINK_DOWN_S = 20.0
 TIMEOUT_S = 60.0
 
 

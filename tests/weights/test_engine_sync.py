@@ -66,7 +66,7 @@ async def prompt_logprobs(engine, ids=PROMPT) -> torch.Tensor:
     final = None
     async for out in engine.llm.generate({"prompt_token_ids": ids}, params, f"plp-{os.urandom(4).hex()}"):
         final = out
-    return torch.tensor([pos[t].logprob for pos, t in zip(final.prompt_logprobs[1:], ids[1:])])
+    return torch.tensor([pos[t].logprob for pos, t in zip(final.prompt_logprobs[1:], ids[1:], strict=True)])
 
 
 def reference_logprobs(model, weights: dict[str, torch.Tensor], ids=PROMPT) -> torch.Tensor:
@@ -232,7 +232,8 @@ def test_checksum_mismatch_is_rejected(engine, aio, synced, original, versions):
 
 
 def test_min_weight_version_fences_generation(engine, aio, synced, original, versions):
-    from dgrpo.sampler.engine import PromptInput, SamplingRequest, WeightVersionTimeout
+    from dgrpo.sampler.engine import WeightVersionTimeout
+    from dgrpo.sampler.requests import PromptInput, SamplingRequest
 
     pub, _ = synced
     target = versions()
@@ -263,7 +264,7 @@ def test_wait_mode_completions_come_from_the_version_they_name(engine, aio, sync
     """weights.pause_mode=wait (the default): requests running when a version is published finish on the old
     weights during the pause, and every completion's weight_version is the version that produced each of its
     tokens (its logprobs checked against transformers under that version)."""
-    from dgrpo.sampler.engine import PromptInput, SamplingRequest
+    from dgrpo.sampler.requests import PromptInput, SamplingRequest
 
     pub, _ = synced
     old, new = versions(), versions()

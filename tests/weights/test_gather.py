@@ -58,7 +58,7 @@ def test_fsdp2_full_tensors_equal_the_unsharded_weights(tmp_path):
         procs.append(subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
     outputs = [p.communicate(timeout=180)[0] for p in procs]
-    for rank, (p, out) in enumerate(zip(procs, outputs)):
+    for rank, (p, out) in enumerate(zip(procs, outputs, strict=True)):
         assert p.returncode == 0 and f"rank {rank} ok" in out, out[-3000:]
 
 

@@ -166,7 +166,8 @@ def test_a_streamed_version_is_read_while_it_is_written(sync_cfg):
         writer.join(10)
         complete = protocol.decode_announcement(sub.recv_multipart())
         assert not complete.streaming and complete.version == 1 and complete.seq == early.seq + 1
-        assert [t.xxh3 for t in complete.manifest.tensors] == [t.xxh3 for t in reader_of(complete, cfg).manifest.tensors]
+        reread = reader_of(complete, cfg).manifest.tensors
+        assert [t.xxh3 for t in complete.manifest.tensors] == [t.xxh3 for t in reread]
         assert slot.UNKNOWN_XXH3 not in [t.xxh3 for t in complete.manifest.tensors]
         sub.close(linger=0)
 
@@ -352,8 +353,9 @@ def test_hostile_control_requests_get_an_error_and_the_channel_keeps_serving(syn
         cases = {
             b'{"op": "fetch", "version": "x", "slot": 0}': "not a WeightControlRequest|protocol revision 0",
             b"\xff" * 50: "not a WeightControlRequest|protocol revision",
-            wrong_revision.SerializeToString(): "protocol revision 99, this side speaks 1",
-            protocol.pb.WeightControlRequest(protocol=1).SerializeToString(): "neither `latest` nor `fetch`",
+            wrong_revision.SerializeToString(): f"protocol revision 99, this side speaks {protocol.PROTOCOL}",
+            protocol.pb.WeightControlRequest(protocol=protocol.PROTOCOL).SerializeToString():
+                "neither `latest` nor `fetch`",
             b"x" * 100_000: "control request of 100000 bytes",
             protocol.fetch_request(1, 0): "weight bytes are served only with weights.transport=tcp",
         }

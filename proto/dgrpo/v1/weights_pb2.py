@@ -24,33 +24,33 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x64grpo/v1/weights.proto\x12\x08\x64grpo.v1\"h\n\x0cWeightTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0e\n\x06nbytes\x18\x05 \x01(\x04\x12\x0c\n\x04xxh3\x18\x06 \x01(\x06\"i\n\x0eWeightManifest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\'\n\x07tensors\x18\x04 \x03(\x0b\x32\x16.dgrpo.v1.WeightTensor\"\x9c\x02\n\x12WeightAnnouncement\x12\x10\n\x08protocol\x18\x01 \x01(\r\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x04\x12\x0c\n\x04slot\x18\x04 \x01(\r\x12\x0b\n\x03seq\x18\x05 \x01(\x04\x12,\n\ttransport\x18\x06 \x01(\x0e\x32\x19.dgrpo.v1.WeightTransport\x12\x0f\n\x07segment\x18\x07 \x01(\t\x12\x0e\n\x06nbytes\x18\x08 \x01(\x04\x12\x15\n\rmanifest_xxh3\x18\t \x01(\x04\x12*\n\x08manifest\x18\n \x01(\x0b\x32\x18.dgrpo.v1.WeightManifest\x12\x11\n\tstreaming\x18\x0b \x01(\x08\x12\x13\n\x0bincarnation\x18\x0c \x01(\x04\"\xc6\x01\n\x14WeightControlRequest\x12\x10\n\x08protocol\x18\x01 \x01(\r\x12\x30\n\x06latest\x18\x02 \x01(\x0b\x32\x1e.dgrpo.v1.LatestWeightsRequestH\x00\x12.\n\x05\x66\x65tch\x18\x03 \x01(\x0b\x32\x1d.dgrpo.v1.FetchWeightsRequestH\x00\x12/\n\x04join\x18\x04 \x01(\x0b\x32\x1f.dgrpo.v1.JoinCollectiveRequestH\x00\x42\t\n\x07request\"M\n\x15JoinCollectiveRequest\x12\x10\n\x08host_key\x18\x01 \x01(\t\x12\x11\n\thost_name\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\"C\n\x0f\x43ollectiveGroup\x12\x0c\n\x04port\x18\x01 \x01(\r\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\"\x16\n\x14LatestWeightsRequest\"4\n\x13\x46\x65tchWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x0c\n\x04slot\x18\x02 \x01(\r\"\xc9\x01\n\x12WeightControlReply\x12\x10\n\x08protocol\x18\x01 \x01(\r\x12.\n\x06latest\x18\x02 \x01(\x0b\x32\x1c.dgrpo.v1.WeightAnnouncementH\x00\x12+\n\x07\x66\x65tched\x18\x03 \x01(\x0b\x32\x18.dgrpo.v1.FetchedWeightsH\x00\x12\x0f\n\x05\x65rror\x18\x04 \x01(\tH\x00\x12*\n\x05group\x18\x05 \x01(\x0b\x32\x19.dgrpo.v1.CollectiveGroupH\x00\x42\x07\n\x05reply\">\n\x0e\x46\x65tchedWeights\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04*\x88\x01\n\x0fWeightTransport\x12 \n\x1cWEIGHT_TRANSPORT_UNSPECIFIED\x10\x00\x12\x18\n\x14WEIGHT_TRANSPORT_SHM\x10\x01\x12\x18\n\x14WEIGHT_TRANSPORT_TCP\x10\x02\x12\x1f\n\x1bWEIGHT_TRANSPORT_COLLECTIVE\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x64grpo/v1/weights.proto\x12\x08\x64grpo.v1\"h\n\x0cWeightTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0e\n\x06nbytes\x18\x05 \x01(\x04\x12\x0c\n\x04xxh3\x18\x06 \x01(\x06\"\x81\x01\n\x0eWeightManifest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\'\n\x07tensors\x18\x04 \x03(\x0b\x32\x16.dgrpo.v1.WeightTensor\x12\x16\n\x0e\x61\x64\x61pter_config\x18\x05 \x01(\t\"\xb1\x02\n\x12WeightAnnouncement\x12\x10\n\x08protocol\x18\x01 \x01(\r\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x04\x12\x0c\n\x04slot\x18\x04 \x01(\r\x12\x0b\n\x03seq\x18\x05 \x01(\x04\x12,\n\ttransport\x18\x06 \x01(\x0e\x32\x19.dgrpo.v1.WeightTransport\x12\x0f\n\x07segment\x18\x07 \x01(\t\x12\x0e\n\x06nbytes\x18\x08 \x01(\x04\x12\x15\n\rmanifest_xxh3\x18\t \x01(\x04\x12*\n\x08manifest\x18\n \x01(\x0b\x32\x18.dgrpo.v1.WeightManifest\x12\x11\n\tstreaming\x18\x0b \x01(\x08\x12\x13\n\x0bincarnation\x18\x0c \x01(\x04\x12\x13\n\x0btraceparent\x18\r \x01(\t\"\xc6\x01\n\x14WeightControlRequest\x12\x10\n\x08protocol\x18\x01 \x01(\r\x12\x30\n\x06latest\x18\x02 \x01(\x0b\x32\x1e.dgrpo.v1.LatestWeightsRequestH\x00\x12.\n\x05\x66\x65tch\x18\x03 \x01(\x0b\x32\x1d.dgrpo.v1.FetchWeightsRequestH\x00\x12/\n\x04join\x18\x04 \x01(\x0b\x32\x1f.dgrpo.v1.JoinCollectiveRequestH\x00\x42\t\n\x07request\"M\n\x15JoinCollectiveRequest\x12\x10\n\x08host_key\x18\x01 \x01(\t\x12\x11\n\thost_name\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\"C\n\x0f\x43ollectiveGroup\x12\x0c\n\x04port\x18\x01 \x01(\r\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\"\x16\n\x14LatestWeightsRequest\"4\n\x13\x46\x65tchWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x0c\n\x04slot\x18\x02 \x01(\r\"\xc9\x01\n\x12WeightControlReply\x12\x10\n\x08protocol\x18\x01 \x01(\r\x12.\n\x06latest\x18\x02 \x01(\x0b\x32\x1c.dgrpo.v1.WeightAnnouncementH\x00\x12+\n\x07\x66\x65tched\x18\x03 \x01(\x0b\x32\x18.dgrpo.v1.FetchedWeightsH\x00\x12\x0f\n\x05\x65rror\x18\x04 \x01(\tH\x00\x12*\n\x05group\x18\x05 \x01(\x0b\x32\x19.dgrpo.v1.CollectiveGroupH\x00\x42\x07\n\x05reply\">\n\x0e\x46\x65tchedWeights\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04*\x88\x01\n\x0fWeightTransport\x12 \n\x1cWEIGHT_TRANSPORT_UNSPECIFIED\x10\x00\x12\x18\n\x14WEIGHT_TRANSPORT_SHM\x10\x01\x12\x18\n\x14WEIGHT_TRANSPORT_TCP\x10\x02\x12\x1f\n\x1bWEIGHT_TRANSPORT_COLLECTIVE\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'dgrpo.v1.weights_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_WEIGHTTRANSPORT']._serialized_start=1232
-  _globals['_WEIGHTTRANSPORT']._serialized_end=1368
+  _globals['_WEIGHTTRANSPORT']._serialized_start=1278
+  _globals['_WEIGHTTRANSPORT']._serialized_end=1414
   _globals['_WEIGHTTENSOR']._serialized_start=36
   _globals['_WEIGHTTENSOR']._serialized_end=140
-  _globals['_WEIGHTMANIFEST']._serialized_start=142
-  _globals['_WEIGHTMANIFEST']._serialized_end=247
-  _globals['_WEIGHTANNOUNCEMENT']._serialized_start=250
-  _globals['_WEIGHTANNOUNCEMENT']._serialized_end=534
-  _globals['_WEIGHTCONTROLREQUEST']._serialized_start=537
-  _globals['_WEIGHTCONTROLREQUEST']._serialized_end=735
-  _globals['_JOINCOLLECTIVEREQUEST']._serialized_start=737
-  _globals['_JOINCOLLECTIVEREQUEST']._serialized_end=814
-  _globals['_COLLECTIVEGROUP']._serialized_start=816
-  _globals['_COLLECTIVEGROUP']._serialized_end=883
-  _globals['_LATESTWEIGHTSREQUEST']._serialized_start=885
-  _globals['_LATESTWEIGHTSREQUEST']._serialized_end=907
-  _globals['_FETCHWEIGHTSREQUEST']._serialized_start=909
-  _globals['_FETCHWEIGHTSREQUEST']._serialized_end=961
-  _globals['_WEIGHTCONTROLREPLY']._serialized_start=964
-  _globals['_WEIGHTCONTROLREPLY']._serialized_end=1165
-  _globals['_FETCHEDWEIGHTS']._serialized_start=1167
-  _globals['_FETCHEDWEIGHTS']._serialized_end=1229
+  _globals['_WEIGHTMANIFEST']._serialized_start=143
+  _globals['_WEIGHTMANIFEST']._serialized_end=272
+  _globals['_WEIGHTANNOUNCEMENT']._serialized_start=275
+  _globals['_WEIGHTANNOUNCEMENT']._serialized_end=580
+  _globals['_WEIGHTCONTROLREQUEST']._serialized_start=583
+  _globals['_WEIGHTCONTROLREQUEST']._serialized_end=781
+  _globals['_JOINCOLLECTIVEREQUEST']._serialized_start=783
+  _globals['_JOINCOLLECTIVEREQUEST']._serialized_end=860
+  _globals['_COLLECTIVEGROUP']._serialized_start=862
+  _globals['_COLLECTIVEGROUP']._serialized_end=929
+  _globals['_LATESTWEIGHTSREQUEST']._serialized_start=931
+  _globals['_LATESTWEIGHTSREQUEST']._serialized_end=953
+  _globals['_FETCHWEIGHTSREQUEST']._serialized_start=955
+  _globals['_FETCHWEIGHTSREQUEST']._serialized_end=1007
+  _globals['_WEIGHTCONTROLREPLY']._serialized_start=1010
+  _globals['_WEIGHTCONTROLREPLY']._serialized_end=1211
+  _globals['_FETCHEDWEIGHTS']._serialized_start=1213
+  _globals['_FETCHEDWEIGHTS']._serialized_end=1275
 # @@protoc_insertion_point(module_scope)

@@ -35,19 +35,21 @@ class WeightTensor(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., xxh3: _Optional[int] = ...) -> None: ...
 
 class WeightManifest(_message.Message):
-    __slots__ = ("run_id", "version", "dtype", "tensors")
+    __slots__ = ("run_id", "version", "dtype", "tensors", "adapter_config")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_CONFIG_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     version: int
     dtype: str
     tensors: _containers.RepeatedCompositeFieldContainer[WeightTensor]
-    def __init__(self, run_id: _Optional[str] = ..., version: _Optional[int] = ..., dtype: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[WeightTensor, _Mapping]]] = ...) -> None: ...
+    adapter_config: str
+    def __init__(self, run_id: _Optional[str] = ..., version: _Optional[int] = ..., dtype: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[WeightTensor, _Mapping]]] = ..., adapter_config: _Optional[str] = ...) -> None: ...
 
 class WeightAnnouncement(_message.Message):
-    __slots__ = ("protocol", "run_id", "version", "slot", "seq", "transport", "segment", "nbytes", "manifest_xxh3", "manifest", "streaming", "incarnation")
+    __slots__ = ("protocol", "run_id", "version", "slot", "seq", "transport", "segment", "nbytes", "manifest_xxh3", "manifest", "streaming", "incarnation", "traceparent")
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +62,7 @@ class WeightAnnouncement(_message.Message):
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     STREAMING_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     protocol: int
     run_id: str
     version: int
@@ -72,7 +75,8 @@ class WeightAnnouncement(_message.Message):
     manifest: WeightManifest
     streaming: bool
     incarnation: int
-    def __init__(self, protocol: _Optional[int] = ..., run_id: _Optional[str] = ..., version: _Optional[int] = ..., slot: _Optional[int] = ..., seq: _Optional[int] = ..., transport: _Optional[_Union[WeightTransport, str]] = ..., segment: _Optional[str] = ..., nbytes: _Optional[int] = ..., manifest_xxh3: _Optional[int] = ..., manifest: _Optional[_Union[WeightManifest, _Mapping]] = ..., streaming: _Optional[bool] = ..., incarnation: _Optional[int] = ...) -> None: ...
+    traceparent: str
+    def __init__(self, protocol: _Optional[int] = ..., run_id: _Optional[str] = ..., version: _Optional[int] = ..., slot: _Optional[int] = ..., seq: _Optional[int] = ..., transport: _Optional[_Union[WeightTransport, str]] = ..., segment: _Optional[str] = ..., nbytes: _Optional[int] = ..., manifest_xxh3: _Optional[int] = ..., manifest: _Optional[_Union[WeightManifest, _Mapping]] = ..., streaming: _Optional[bool] = ..., incarnation: _Optional[int] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class WeightControlRequest(_message.Message):
     __slots__ = ("protocol", "latest", "fetch", "join")
