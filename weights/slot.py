@@ -40,6 +40,7 @@ ALIGN = 64
 SEQ_OFFSET = 8  # byte offset of `seq` inside the header
 MANIFEST_XXH_OFFSET = 40
 PROGRESS_OFFSET = 56  # byte offset of `progress` (tensors complete so far) inside the header
+COMPLETION_WINDOW_S = 1.0  # how long a reader waits out a streamed write's last step (see SlotReader._open)
 ABORTED = (1 << 64) - 1  # `progress` of a streamed write that failed half-way (the slot holds no version)
 UNKNOWN_XXH3 = (1 << 64) - 1  # a streamed manifest's checksum until its tensor is written (same encoded length)
 
@@ -235,30 +236,43 @@ class SlotReader:
         self.buf, self.version, self.seq, self.stall_timeout_s = buf, version, seq, stall_timeout_s
         self.streamed = seq % 2 == 1
         self.final_seq = seq + 1 if self.streamed else seq
-        seq_now = read_seq(buf)
-        if not self.streamed and seq_now % 2:
-            raise WeightIntegrityError(f"version {version}: slot is being rewritten (seq {seq_now} odd); torn read")
-        if seq_now not in (seq, self.final_seq):
-            raise WeightIntegrityError(f"version {version}: slot was overwritten (seq {seq_now}, announced {seq})")
-        header = read_header(buf)
-        if header.version != version:
-            raise WeightIntegrityError(f"version {version}: slot holds version {header.version}")
-        if header.used_bytes > len(buf):
-            raise WeightIntegrityError(
-                f"version {version}: slot header names {header.used_bytes} bytes, the mapping has {len(buf)}")
-        raw = bytes(memoryview(buf)[header.manifest_off:header.manifest_off + header.manifest_len])
-        # A streamed slot that finished meanwhile holds the final manifest (checksums filled in), not the announced.
-        announced_only = seq_now == seq
-        if checksum(raw) != header.manifest_xxh or (announced_only and header.manifest_xxh != manifest_xxh3):
-            raise WeightIntegrityError(f"version {version}: manifest checksum mismatch")
-        if read_seq(buf) not in (seq, self.final_seq):  # the header and manifest just read belong to this write
-            raise WeightIntegrityError(f"version {version}: a write overlapped opening the slot; torn read")
+        header, raw = self._open(manifest_xxh3)
         self.manifest = Manifest.FromString(raw)
         _check_bounds(self.manifest, header.data_end)
         if self.streamed and header.table_off + 8 * len(self.manifest.tensors) > header.data_end:
             raise WeightIntegrityError(f"version {version}: the checksum table lies outside the slot")
         self._table_off = header.table_off
         self._data = np.frombuffer(buf, dtype=np.uint8, count=header.used_bytes)
+
+    def _open(self, manifest_xxh3: int) -> tuple[Header, bytes]:
+        """The header and manifest of this write, read consistently. A streamed write that completes rewrites its
+        manifest (checksums filled in) just before `seq` turns even: a reader caught in that window sees the
+        announced `seq` with the final manifest, and reads again (bounded) rather than calling it corrupt."""
+        version, seq = self.version, self.seq
+        deadline = time.monotonic() + COMPLETION_WINDOW_S
+        while True:
+            seq_now = read_seq(self.buf)
+            if not self.streamed and seq_now % 2:
+                raise WeightIntegrityError(f"version {version}: slot is being rewritten (seq {seq_now} odd); torn read")
+            if seq_now not in (seq, self.final_seq):
+                raise WeightIntegrityError(f"version {version}: slot was overwritten (seq {seq_now}, announced {seq})")
+            header = read_header(self.buf)
+            if header.version != version:
+                raise WeightIntegrityError(f"version {version}: slot holds version {header.version}")
+            if header.used_bytes > len(self.buf):
+                raise WeightIntegrityError(
+                    f"version {version}: slot header names {header.used_bytes} bytes, the mapping has {len(self.buf)}")
+            raw = bytes(memoryview(self.buf)[header.manifest_off:header.manifest_off + header.manifest_len])
+            # A streamed slot that finished meanwhile holds the final manifest (checksums filled in), not the announced.
+            announced_only = seq_now == seq
+            if checksum(raw) == header.manifest_xxh and (not announced_only or header.manifest_xxh == manifest_xxh3):
+                break
+            if not (self.streamed and announced_only) or time.monotonic() > deadline:
+                raise WeightIntegrityError(f"version {version}: manifest checksum mismatch")
+            time.sleep(0.001)  # the write is completing: its seq turns even within microseconds
+        if read_seq(self.buf) not in (seq, self.final_seq):  # the header and manifest just read belong to this write
+            raise WeightIntegrityError(f"version {version}: a write overlapped opening the slot; torn read")
+        return header, raw
 
     def release(self) -> None:
         """Drop the reader's view of the buffer, so that the mapping can be closed."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import stat
+import struct
 import subprocess
 import sys
 import threading
@@ -200,6 +201,34 @@ def test_a_streamed_read_that_outruns_the_writers_finish_waits_for_it(sync_cfg):
         assert time.monotonic() - t0 >= 0.2  # it waited for the write to finish
         writer.join(10)
         assert pub.latest_version == 1
+        sub.close(linger=0)
+
+
+def test_a_streamed_version_opened_while_its_write_completes_is_read_not_rejected(sync_cfg):
+    """The writer's last step rewrites the manifest (checksums filled in) and then makes `seq` even. A reader that
+    opens the announced version in between sees the odd `seq` with the final manifest: it reads again once the write
+    is complete instead of calling the slot corrupt. (Seen in CI: a replica's streamed load refused this way.)"""
+    cfg = sync_cfg()
+    weights = state(3.0)
+    layout = [(name, list(t.shape)) for name, t in weights.items()]
+    with WeightPublisher(cfg, "closing", dtype="float32") as pub, zmq.Context() as ctx:
+        sub = _subscribed(ctx, cfg)
+        pub.publish(iter(weights.items()), 1, layout=layout)
+        early = protocol.decode_announcement(sub.recv_multipart())
+        assert early.streaming and early.seq % 2 == 1
+        buffer = pub._slots.segments[early.slot].buffer  # the learner's bytes: no public handle
+        struct.pack_into("<Q", buffer, slot.SEQ_OFFSET, early.seq)  # back inside the window: final manifest, odd seq
+        threading.Timer(0.2, lambda: struct.pack_into("<Q", buffer, slot.SEQ_OFFSET, early.seq + 1)).start()
+        t0 = time.monotonic()
+        reader = reader_of(early, cfg)
+        assert time.monotonic() - t0 >= 0.15  # it waited for the write to complete
+        assert values(reader) == {3.0} and slot.UNKNOWN_XXH3 not in [t.xxh3 for t in reader.manifest.tensors]
+        reader.check_intact()
+
+        # A write that never leaves the window (its manifest really is not the announced one) is still refused.
+        struct.pack_into("<Q", buffer, slot.SEQ_OFFSET, early.seq)
+        with pytest.raises(slot.WeightIntegrityError, match="manifest checksum mismatch"):
+            reader_of(early, cfg)
         sub.close(linger=0)
 
 
