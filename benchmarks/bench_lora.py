@@ -1,6 +1,6 @@
 """Full fine-tuning against LoRA (adapter-only sync) and LoRA with merge_on_sync on the CPU demo task, in one go.
 
-    python benchmarks/bench_lora.py                       # 20 steps each: full, lora, lora-merge
+    python benchmarks/bench_lora.py                       # 20 steps each: full, lora, lora-merge, trl-lora
     python benchmarks/bench_lora.py --modes lora --steps 8
 
 Each mode is one `dgrpo up` of configs/cpu-demo.yaml (the bundled SmolLM2-135M-Instruct, single-digit arithmetic;
@@ -9,6 +9,10 @@ the sampler's log and `dgrpo plan --json`: bytes published per version, the lear
 sampler's load seconds (publish -> serving is their sum: the sampler loads once the version is announced), the
 learner's peak resident memory against plan's learner total, median seconds per step, and the mean reward of the
 first and last five steps with the whole curve. Results also go to --out as JSON.
+
+`trl-lora` is TRL's GRPOTrainer with a PEFT LoRA config of the same rank, alpha and learning rate on the same task
+and settings (benchmarks/bench_vs_trl.py's trl-colocate side: vLLM-CPU inside the trainer, both cores): it merges
+the adapter and hands vLLM the full weights at every step; its peak memory is the trainer's with its engine.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ MODES = {
     "lora": ["learner.lora.rank=8", "learner.lora.alpha=16", f"learner.optim.lr={LORA_LR}"],
     "lora-merge": ["learner.lora.rank=8", "learner.lora.alpha=16", f"learner.optim.lr={LORA_LR}",
                    "learner.lora.merge_on_sync=true"],
+    "trl-lora": None,  # TRL's GRPOTrainer + PEFT (run_trl_lora)
 }
 LOADED = re.compile(r"loaded weight version (\d+) \(([\d.]+) MB.*?\) in ([\d.]+)s")
 
@@ -77,6 +82,28 @@ def run_mode(mode: str, steps: int, out_dir: Path, micro_tokens: int) -> dict:
     }
 
 
+def run_trl_lora(steps: int, out_dir: Path) -> dict:
+    """TRL's GRPOTrainer with PEFT LoRA (rank 8, alpha 16, all linear layers, LORA_LR), vLLM colocated."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import bench_vs_trl
+
+    settings = bench_vs_trl.Settings(steps=steps, lr=LORA_LR, lora_rank=8, lora_alpha=16)
+    out_dir = out_dir.resolve() / "trl-lora"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model, train = bench_vs_trl.prepare(settings, out_dir)
+    t0 = time.monotonic()
+    r = bench_vs_trl.run_trl("colocate", settings, model, train, out_dir)
+    rewards = r.reward_mean
+    return {
+        "mode": "trl-lora", "steps": len(r.step_s), "wall_s": time.monotonic() - t0,
+        "bytes_per_version": r.bytes_per_sync, "publish_s": float("nan"), "sampler_load_s": float("nan"),
+        "publish_to_serving_s": float("nan"), "learner_peak_rss_gb": r.peak_rss_gb, "plan_learner_gb": float("nan"),
+        "s_per_step": statistics.median(r.step_s), "generate_s": float("nan"), "train_s": float("nan"),
+        "reward_first5": statistics.mean(rewards[:5]), "reward_last5": statistics.mean(rewards[-5:]),
+        "rewards": rewards, "notes": r.notes,
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
@@ -89,7 +116,8 @@ def main() -> None:
     results = []
     for mode in args.modes:
         print(f"[bench_lora] {mode}: {args.steps} steps ...", flush=True)
-        results.append(run_mode(mode, args.steps, args.out_dir, args.micro_tokens))
+        results.append(run_trl_lora(args.steps, args.out_dir) if mode == "trl-lora"
+                       else run_mode(mode, args.steps, args.out_dir, args.micro_tokens))
         r = results[-1]
         print(f"[bench_lora] {mode}: {r['s_per_step']:.1f} s/step, reward {r['reward_first5']:.3f} -> "
               f"{r['reward_last5']:.3f}", flush=True)
@@ -106,6 +134,8 @@ def main() -> None:
               f"{r['reward_first5']:>10.3f} -> {r['reward_last5']:.3f}")
     for r in results:
         print(f"{r['mode']:<11} rewards: " + " ".join(f"{x:.2f}" for x in r["rewards"]))
+        if r.get("notes"):
+            print(f"{r['mode']:<11} notes: {r['notes']}")
 
 
 if __name__ == "__main__":

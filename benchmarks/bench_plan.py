@@ -3,6 +3,7 @@
 
 Cases (each in a fresh process, so one's peak never hides in another's):
   demo-learner     the CPU demo's learner (SmolLM2-135M, fp32, packed 1024-token micro-batches, shared prompts)
+  demo-learner-lora  the same with a LoRA adapter (rank 8, alpha 16, all linear layers; learner.lora)
   large-learner    a ~0.5B Llama-shaped model with random weights (built here with transformers' from_config, saved
                    as safetensors), bf16 autocast, same packing
   large-learner-gc the same with gradient checkpointing
@@ -84,7 +85,7 @@ def child_learner(model: str, overrides: list[str]) -> dict:
     p, r, n = lc.data.max_prompt_length, lc.rollout.max_response_length, lc.rollout.n
     t0 = time.perf_counter()
     actor = Actor(model, lc.actor, lc.optim, lc.algorithm, total_steps=10, max_response_length=r,
-                  temperature=lc.rollout.temperature)
+                  temperature=lc.rollout.temperature, lora=lc.lora)
     load_s = time.perf_counter() - t0
     rss_loaded = _rss()
     groups = lc.actor.ppo_mini_batch_size
@@ -185,6 +186,7 @@ SMALL_STEP = ["learner.data.train_batch_size=2", "learner.actor.ppo_mini_batch_s
 """The large model's step: 2 groups, one 768-token micro-batch (a full one of the demo's packing), one update."""
 CASES = {
     "demo-learner": (None, []),
+    "demo-learner-lora": (None, ["learner.lora.rank=8", "learner.lora.alpha=16"]),
     "large-learner": ("large", [*SMALL_STEP, "learner.actor.dtype=bfloat16"]),
     "large-learner-gc": ("large", [*SMALL_STEP, "learner.actor.dtype=bfloat16",
                                    "learner.actor.gradient_checkpointing=true"]),
@@ -236,8 +238,11 @@ def main() -> None:
             rows.append((case, "sampler tree RSS (shared pages counted per process)", planned, got["rss_sum"]))
         else:
             lp = plan["learner"]
-            rows.append((case, "parameters (tensor bytes)", lp["weights fp32"], got["param_bytes"]))
-            rows.append((case, "AdamW states (tensor bytes)", lp["AdamW moments fp32"], got["adam_bytes"]))
+            lora = "LoRA adapter fp32" in lp  # frozen base + adapter; AdamW holds the adapter's moments only
+            params = lp["frozen base fp32"] + lp["LoRA adapter fp32"] if lora else lp["weights fp32"]
+            rows.append((case, "parameters (tensor bytes)", params, got["param_bytes"]))
+            rows.append((case, "AdamW states (tensor bytes)",
+                         lp["adapter AdamW moments fp32" if lora else "AdamW moments fp32"], got["adam_bytes"]))
             act = lp["activations"] + lp["logits"]
             rows.append((case, f"saved for backward, {got['micro_batch_tokens']}-token micro-batch", act,
                          got["saved_bytes"]))

@@ -53,6 +53,10 @@ class Settings:
     temperature: float = 1.0
     seed: int = 0
     task: str = "arith"
+    lora_rank: int = 0
+    """> 0: every side trains a LoRA adapter of this rank on all linear layers (TRL: a PEFT `peft_config`; dgrpo:
+    learner.lora), instead of the full model. Give LoRA its own --lr (docs/lora.md: about 10x full fine-tuning's)."""
+    lora_alpha: int = 16
 
 
 @dataclass
@@ -73,6 +77,10 @@ class SideResult:
     sampling/sampling_logp_difference/mean; dgrpo: actor/sampler_logp_diff): how far the sampler's weights are
     from the learner's."""
     side: str = ""
+    peak_rss_gb: float = float("nan")
+    """TRL: the trainer process's peak resident memory (its colocated vLLM engine included)."""
+    bytes_per_sync: float = float("nan")
+    """TRL: bytes handed to vLLM per weight sync (with PEFT: the merged full model, as TRL sends it)."""
 
     def wall(self) -> list[float]:
         """Seconds of training at each step's end (start-up excluded)."""
@@ -137,9 +145,11 @@ def dgrpo_overrides(settings: Settings, train_file: Path, run_dir: Path) -> list
 
 
 def _common(settings: Settings, train_file: Path, run_dir: Path, extra: list[str]) -> list[str]:
+    lora = [f"learner.lora.rank={settings.lora_rank}", f"learner.lora.alpha={settings.lora_alpha}",
+            "learner.lora.target_modules=all-linear"] if settings.lora_rank else []
     return [*dgrpo_overrides(settings, train_file, run_dir), "learner.data.val_files=[]",
             "learner.trainer.test_freq=0", "learner.trainer.val_before_train=false",
-            "learner.checkpoint.export_dir=null", *extra]
+            "learner.checkpoint.export_dir=null", *lora, *extra]
 
 
 def run_dgrpo(settings: Settings, train_file: Path, out_dir: Path, extra: list[str]) -> SideResult:
@@ -234,7 +244,8 @@ def report(settings: Settings, results: list[SideResult]) -> None:
           "cores (other work inflates wall times)")
     print(f"SmolLM2-135M-Instruct, task {settings.task}, {settings.prompts_per_step} prompts x "
           f"{settings.group_size} completions, {settings.max_new_tokens} max new tokens, lr {settings.lr}, "
-          f"{settings.steps} steps")
+          f"{settings.steps} steps" + (f", LoRA rank {settings.lora_rank} alpha {settings.lora_alpha} on every "
+                                       "linear layer" if settings.lora_rank else ", full fine-tuning"))
     print("| side | s/step (median) | steps 1-10 (median) | completions/s | reward first 5 -> last 5 | mean | "
           "rolling-5 >= 0.8 at step | logp gap first -> last | mean length |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -248,6 +259,8 @@ def report(settings: Settings, results: list[SideResult]) -> None:
         print(f"{r.side}: {r.name}\n  notes: {r.notes}")
         print(f"  per-step s: {' '.join(f'{x:.1f}' for x in r.step_s)}")
         print(f"  reward:     {' '.join(f'{x:.3f}' for x in r.reward_mean)}")
+        if not math.isnan(r.peak_rss_gb):
+            print(f"  peak RSS {r.peak_rss_gb:.2f} GB, {r.bytes_per_sync / 1e6:.1f} MB per weight sync")
         print(f"  at wall s:  {' '.join(f'{x:.0f}' for x in r.wall())}")
         if r.logp_gap:
             print(f"  logp gap:   {' '.join(f'{x:.3f}' for x in r.logp_gap)}")

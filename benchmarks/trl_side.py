@@ -18,8 +18,10 @@ import argparse
 import hashlib
 import json
 import os
+import resource
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -149,8 +151,9 @@ def cpu_colocate_reload() -> str:
     and 0.32) fails on the first sync with `'Parameter' object has no attribute 'weight_loader'`: after loading,
     vLLM-CPU's GEMM dispatch (dispatch_cpu_unquantized_gemm) replaces the linear layers' Parameters by plain ones.
     The smallest patch: hand the same parameters to vLLM's own `reload_weights` (layerwise reload, which restores
-    the loaders and re-runs the post-load processing) through `LLM.collective_rpc`. Returns the patch's one-line
-    description for the result."""
+    the loaders and re-runs the post-load processing) through `LLM.collective_rpc`. With PEFT, TRL's iterator merges
+    the adapter, yields the live parameters and unmerges once exhausted: each tensor is copied while it is merged.
+    Returns the patch's one-line description for the result; the bytes of each sync go to SYNC_BYTES."""
     from trl.generation import vllm_generation
 
     original = vllm_generation.VLLMGeneration.sync_weights
@@ -158,11 +161,17 @@ def cpu_colocate_reload() -> str:
     def sync_weights(self):
         if self.mode != "colocate":
             return original(self)
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(self._iter_named_params())})
+        weights = [(name, param.detach().clone()) for name, param in self._iter_named_params()]
+        SYNC_BYTES.append(sum(t.numel() * t.element_size() for _, t in weights))
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         self.llm.reset_prefix_cache()
 
     vllm_generation.VLLMGeneration.sync_weights = sync_weights
     return "patched: TRL colocate weight sync via vLLM reload_weights (layerwise reload)"
+
+
+SYNC_BYTES: list[int] = []
+"""Bytes handed to vLLM at each weight sync (colocate, patched above)."""
 
 
 def cpu_weight_sync(weights_dir: Path) -> str:
@@ -212,10 +221,18 @@ def worker(mode: str, model: str, train_file: str, out: str, settings: dict, por
     if mode == "server":
         shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(out).parent
         notes.append(cpu_weight_sync(shm / f"trl-weights-{os.getpid()}"))
+    peft_config = None
+    if settings.get("lora_rank"):  # PEFT LoRA on every linear layer, as dgrpo's learner.lora target_modules all-linear
+        import peft
+
+        peft_config = peft.LoraConfig(r=settings["lora_rank"], lora_alpha=settings["lora_alpha"], lora_dropout=0.0,
+                                      target_modules="all-linear", task_type="CAUSAL_LM")
+        notes.append(f"peft {importlib.metadata.version('peft')} LoRA r{settings['lora_rank']} "
+                     f"alpha {settings['lora_alpha']} all-linear")
     clock = _step_clock()
     trainer = trl.GRPOTrainer(model=model, reward_funcs=[math_verify_reward],
                               args=_trl_config(trl, mode, settings, Path(out).parent / f"trl-{mode}-run", port),
-                              train_dataset=dataset, callbacks=[clock])
+                              train_dataset=dataset, callbacks=[clock], peft_config=peft_config)
     notes.append(f"trainer threads {torch.get_num_threads()}")
     try:
         trainer.train()
@@ -224,10 +241,14 @@ def worker(mode: str, model: str, train_file: str, out: str, settings: dict, por
             shutil.rmtree(shm / f"trl-weights-{os.getpid()}", ignore_errors=True)
     how = {"generate": "transformers generate, fp32", "colocate": "vLLM colocate, both cores",
            "server": "trl vllm-serve on core 0, trainer on core 1"}[mode]
+    if peft_config is not None:
+        how += f", PEFT LoRA r{settings['lora_rank']}"
     Path(out).write_text(json.dumps({
         "name": f"TRL {trl.__version__} GRPOTrainer ({how})",
         "step_s": clock.step_s, "cpu_s": clock.cpu_s, "reward_mean": clock.rewards, "length_mean": clock.lengths,
         "logp_gap": clock.gaps, "completions_per_step": completions, "notes": "; ".join(notes),
+        "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9,
+        "bytes_per_sync": statistics.median(SYNC_BYTES) if SYNC_BYTES else float("nan"),
         "settings": settings,
     }))
 

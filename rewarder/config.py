@@ -91,7 +91,7 @@ class LengthFunction(_FunctionBase):
 
 class LengthAndReferenceFunction(_FunctionBase):
     """+0.5 when the completion has 10 to 200 characters, plus +0.5 when the reference answer appears in it
-    (a substring test, so 0, 0.5 or 1). Formerly `seed_rule`, still accepted with a FutureWarning."""
+    (a substring test, so 0, 0.5 or 1). The type name `seed_rule` is accepted for it, with a FutureWarning."""
 
     type: Literal["length_and_reference"]
     field: str = "answer"

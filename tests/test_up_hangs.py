@@ -6,7 +6,8 @@ defaults:
 1. a sampler frozen for a bounded time shorter than --hung-restart-s: steps keep training on the other replica
    while it is frozen; resumed, it is used again, and never restarted;
 2. a sampler that stays frozen: `up` kills and restarts it after --hung-restart-s, training goes on meanwhile;
-3. the rewarder frozen: its calls fail on keepalive and wait, `up` restarts it, training goes on.
+3. the rewarder frozen: its calls fail on keepalive and wait, `up` restarts it, training goes on;
+4. the learner frozen: the samplers and the rewarder keep answering SERVING, and training goes on once it resumes.
 
 Every freeze is undone in `finally` (SIGCONT), and `up` is stopped with Ctrl-C.
 """
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from support import wait_serving
 from up_support import listener_pid, stop_up, up_command, wait_for
 
 from dgrpo.cli import procs
@@ -29,6 +31,7 @@ from dgrpo.cli import procs
 pytestmark = pytest.mark.slow
 
 HUNG_RESTART_S = 60  # `dgrpo up --hung-restart-s`'s default, which this run keeps
+LEARNER_FREEZE_S = 30  # the learner's freeze: half of HUNG_RESTART_S, so `up` leaves it alone
 
 
 def _records(metrics: Path) -> list[dict]:
@@ -101,6 +104,21 @@ def test_frozen_samplers_and_rewarder_never_stall_training(tiny_model, tmp_path)
                  "the frozen rewarder was not restarted", proc, log_path)
         frozen = []
         wait_for(lambda: _records(metrics)[-1]["step"] >= frozen_at + 2, 300, "no steps after the rewarder restart",
+                 proc, log_path)
+
+        # 4. The learner frozen (shorter than --hung-restart-s): the samplers and the rewarder stay SERVING
+        # throughout, and serve it again once it resumes.
+        frozen = _group(stack["weights"]["announce_port"])
+        _signal(frozen, signal.SIGSTOP)
+        frozen_at = _records(metrics)[-1]["step"]
+        started = time.monotonic()
+        while time.monotonic() - started < LEARNER_FREEZE_S:
+            for port in [*ports, stack["rewarder"]["port"]]:
+                wait_serving(f"127.0.0.1:{port}", 10)  # TimeoutError: a service stopped serving meanwhile
+            time.sleep(2)
+        _signal(frozen, signal.SIGCONT)
+        frozen = []
+        wait_for(lambda: _records(metrics)[-1]["step"] >= frozen_at + 2, 300, "no steps after the learner resumed",
                  proc, log_path)
         proc.send_signal(signal.SIGINT)
         assert proc.wait(300) == 130, log_path.read_text()[-5000:]
