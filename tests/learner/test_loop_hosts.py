@@ -93,6 +93,8 @@ def test_four_steps_with_samplers_on_another_host(tiny_model, tmp_path):
     assert sorted(published) == list(range(1, STEPS + 1))
     for sampler in samplers:
         loaded = manifests(sampler.logs(), r"loaded weight version (\d+) .*manifest ([0-9a-f]{16})")
-        assert {v: loaded.get(v) for v in published} == published, sampler.log_path
+        # A replica that is behind loads the newest version, skipping others: each one it loads is the learner's.
+        assert loaded and all(published[v] == m for v, m in loaded.items()), (sampler.log_path, loaded)
+        assert STEPS in loaded, sampler.log_path
     sent = re.findall(r"weights: host .* has version (\d+)", learner_log)
     assert sorted(map(int, sent)) == list(range(1, STEPS + 1))  # once per version to the host, not per replica

@@ -276,7 +276,9 @@ def check_step_trace(stack) -> None:
     assert sum(c.attributes["groups"] for c in calls) == BATCH
     served = spans["dgrpo-sampler/Generate"]
     assert {s.parent_id for s in served} == {c.span_id for c in calls}
-    assert all(s.instance == "r0" and s.attributes["outcome"] == "ok" for s in served)
+    # The learner cancels a call once its last group arrived: the server may record that as cancelled.
+    assert all(s.instance == "r0" and s.attributes["outcome"] in ("ok", "cancelled") for s in served), \
+        [dict(s.attributes) for s in served]
     scores = spans["dgrpo-learner/Score"]
     assert len(scores) == BATCH and {s.parent_id for s in scores} == {step.span_id}
     assert sorted(s.parent_id for s in spans["dgrpo-rewarder/Score"]) == sorted(s.span_id for s in scores)
