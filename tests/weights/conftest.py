@@ -51,12 +51,35 @@ class LoopThread:
         self.thread.join(5)
 
 
+def _start_engine(aio: LoopThread, model: Path, *, max_num_seqs: int, lora=None):
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from dgrpo.common.model_config import ModelConfig
+    from dgrpo.sampler.config import SamplerConfig
+    from dgrpo.sampler.engine import SamplerEngine
+
+    async def create():
+        return SamplerEngine.create(
+            ModelConfig(path=str(model), dtype="float32"),
+            SamplerConfig(enforce_eager=True, max_model_len=128, max_num_seqs=max_num_seqs, gpu_memory_utilization=0.5),
+            str(model), "cpu", lora=lora,
+        )
+
+    return aio.run(create(), timeout=400)
+
+
 @pytest.fixture(scope="module")
 def aio():
     """The module's event loop thread: `aio.run(coro)` from a test, `aio.loop` for run_coroutine_threadsafe."""
     loop = LoopThread()
     yield loop
     loop.close()
+
+
+@pytest.fixture(scope="module")
+def start_engine(aio):
+    """`start_engine(model, max_num_seqs=..., lora=None)`: a real vLLM-CPU SamplerEngine on a tiny fp32 model,
+    created on the module's loop; the caller shuts it down."""
+    return lambda model, **options: _start_engine(aio, model, **options)
 
 
 @pytest.fixture

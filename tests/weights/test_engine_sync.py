@@ -21,20 +21,8 @@ PROMPT = [1, 504, 3094, 28, 2730, 314, 253, 1345, 30, 378, 2093, 314, 216, 33, 3
 
 
 @pytest.fixture(scope="module")
-def engine(weights_model, aio):
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from dgrpo.common.model_config import ModelConfig
-    from dgrpo.sampler.config import SamplerConfig
-    from dgrpo.sampler.engine import SamplerEngine
-
-    async def create():
-        return SamplerEngine.create(
-            ModelConfig(path=str(weights_model), dtype="float32"),
-            SamplerConfig(enforce_eager=True, max_model_len=128, max_num_seqs=4, gpu_memory_utilization=0.5),
-            str(weights_model), "cpu",
-        )
-
-    eng = aio.run(create(), timeout=400)
+def engine(weights_model, start_engine):
+    eng = start_engine(weights_model, max_num_seqs=4)
     yield eng
     eng.shutdown()
 

@@ -7,7 +7,6 @@ tokens, differ from the base model's, and a later version replaces the earlier o
 
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
@@ -26,20 +25,8 @@ FP32_ATOL = 2e-3
 
 
 @pytest.fixture(scope="module")
-def engine(weights_model, aio):
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from dgrpo.common.model_config import ModelConfig
-    from dgrpo.sampler.config import SamplerConfig
-    from dgrpo.sampler.engine import SamplerEngine
-
-    async def create():
-        return SamplerEngine.create(
-            ModelConfig(path=str(weights_model), dtype="float32"),
-            SamplerConfig(enforce_eager=True, max_model_len=128, max_num_seqs=8, gpu_memory_utilization=0.5),
-            str(weights_model), "cpu", lora=LORA,
-        )
-
-    eng = aio.run(create(), timeout=400)
+def engine(weights_model, start_engine):
+    eng = start_engine(weights_model, max_num_seqs=8, lora=LORA)
     yield eng
     eng.shutdown()
 
