@@ -98,8 +98,7 @@ async def one_batch(client, token_ids: list[int], args) -> tuple[float, int]:
 async def all_rounds(healthy, slow, token_ids: list[int], args) -> tuple[dict, dict]:
     """Every layout's (seconds, hedged prompts) per round. One rollout client per layout for all rounds, as the
     learner holds one for a run (what it learned about a straggler in one step is there in the next)."""
-    from support import group_pids
-
+    from dgrpo.cli.procs import group_pids
     from dgrpo.learner.rollout import RolloutClient, RolloutConfig
 
     both = [healthy.address, slow.address]

@@ -56,12 +56,17 @@ class RateWindow:
         self._lock = threading.Lock()  # added to on the event loop, read on the HTTP server's thread
 
     def add(self, amount: float, now: float | None = None) -> None:
-        with self._lock:
-            self._events.append((time.monotonic() if now is None else now, amount))
+        now = time.monotonic() if now is None else now
+        with self._lock:  # trimmed here too: with nothing scraping, the window must not grow for the process's life
+            self._events.append((now, amount))
+            self._trim(now)
 
     def per_second(self, now: float | None = None) -> float:
         now = time.monotonic() if now is None else now
         with self._lock:
-            while self._events and self._events[0][0] < now - self.window_s:
-                self._events.popleft()
+            self._trim(now)
             return sum(a for _, a in self._events) / self.window_s
+
+    def _trim(self, now: float) -> None:
+        while self._events and self._events[0][0] < now - self.window_s:
+            self._events.popleft()

@@ -505,7 +505,7 @@ class Actor:
     def _clip_grad_norm(self) -> float:
         """Total gradient norm over all ranks' shards, before clipping to optim.grad_clip (none: only measured)."""
         max_norm = self.optim_cfg.grad_clip if self.optim_cfg.grad_clip is not None else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_([p for p in self.policy.parameters() if p.requires_grad], max_norm)
+        norm = torch.nn.utils.clip_grad_norm_([p for g in self.optimizer.param_groups for p in g["params"]], max_norm)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         return float(norm)

@@ -18,6 +18,7 @@ checkpoint.dir must be on a shared filesystem.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import errno
 import json
 import random
@@ -97,9 +98,11 @@ def full_model_state(actor: Actor) -> dict[str, torch.Tensor]:
 
 def trained_state(actor: Actor) -> dict[str, torch.Tensor]:
     """What a checkpoint keeps of the policy: every parameter, or with LoRA the adapter's alone. Collective."""
-    state = full_model_state(actor)
     if actor.lora is None:
-        return state
+        return full_model_state(actor)
+    # The frozen base is never gathered (it is the model folder's); buffers are filtered out by name below.
+    options = dataclasses.replace(_save_options(actor), ignore_frozen_params=True)
+    state = get_model_state_dict(actor.policy, options=options)
     trainable = {name for name, p in actor.policy.named_parameters() if p.requires_grad}
     return {name: t for name, t in state.items() if name in trainable}
 

@@ -23,8 +23,6 @@ from dgrpo.learner.reward_client import GroupReward, RewardClient, score_group
 from dgrpo.learner.rollout import RolloutClient, RolloutStats, make_prompt, sampling_params
 from dgrpo.v1 import rewarder_pb2, sampler_pb2
 
-LENGTH = sampler_pb2.FINISH_REASON_LENGTH
-
 
 @dataclass
 class ScoredGroup:
@@ -166,7 +164,7 @@ def to_sequences(scored: list[ScoredGroup], cfg: LearnerConfig, eos_id: int) -> 
             # A completion the rewarder could not score has no valid reward: out of the loss entirely.
             advantage=adv if ok else 0.0,
             sampler_logprobs=logprobs if len(logprobs) == len(ids) else None,
-            truncated=c.finish_reason == LENGTH,
+            truncated=c.finish_reason == sampler_pb2.FINISH_REASON_LENGTH,
             in_loss=ok,
             tool_mask=list(c.mask) if len(c.mask) == len(ids) else None,  # multi-turn: tool tokens are 0
         ))

@@ -32,6 +32,7 @@ class WeightSync:
 
     def __init__(self, cfg: LearnerRunConfig, actor: Actor, ctx: DistContext, publisher=None):
         self.cfg, self.actor, self.ctx, self.publisher = cfg, actor, ctx, publisher
+        self._announced: tuple[list, str | None] | None = None  # (layout, adapter_config): fixed for the run
 
     def publish(self, version: int) -> tuple[float, int]:
         """Every rank joins the gather of full weights; rank 0 writes and announces them as `version`. Returns the
@@ -47,9 +48,11 @@ class WeightSync:
         if self.ctx.is_main:
             # The layout up front lets samplers load each tensor as it is written (weights.stream); the span's
             # context rides in the announcement, so each replica's load joins it.
+            if self._announced is None:
+                self._announced = (self.actor.weight_layout(), self.actor.adapter_config())
+            layout, adapter_config = self._announced
             with tracing.span("publish", weight_version=version):
-                stats = self.publisher.publish(named, version, layout=self.actor.weight_layout(),
-                                               adapter_config=self.actor.adapter_config())
+                stats = self.publisher.publish(named, version, layout=layout, adapter_config=adapter_config)
             nbytes = stats.nbytes
         else:
             for _ in named:

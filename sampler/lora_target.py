@@ -99,6 +99,8 @@ class LoraWeightTarget:
 
     async def stage(self, ref: SlotRef) -> None:
         folder = self.root / f"v{ref.version}-{ref.seq}"
+        if self._staged is not None and self._staged[1] not in (folder, self._served):
+            shutil.rmtree(self._staged[1], ignore_errors=True)  # staged, never applied (refused, or superseded)
         await asyncio.to_thread(write_adapter_folder, ref, folder)
         self._staged = (ref.version, folder)
 

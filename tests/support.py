@@ -42,19 +42,6 @@ def wait_serving(address: str, timeout: float, proc: subprocess.Popen | None = N
     raise TimeoutError(f"service at {address} not SERVING after {timeout:.0f}s")
 
 
-def group_pids(pgid: int) -> list[int]:
-    """Every process of process group `pgid` (a service started with start_new_session: its pid), from /proc."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if os.getpgid(int(entry.name)) == pgid:
-                    out.append(int(entry.name))
-            except ProcessLookupError:
-                pass
-    return out
-
-
 class ServiceProcess:
     """`dgrpo <command> overrides...` as a subprocess; logs go to a temp file shown on failure."""
 

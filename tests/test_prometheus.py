@@ -80,3 +80,8 @@ def test_rate_window():
     assert r.per_second(now=106.0) == 5.0
     assert r.per_second(now=112.0) == 2.0  # the first event left the window
     assert r.per_second(now=200.0) == 0.0
+    # Nothing scraping: events older than the window are dropped as new ones come, so memory stays bounded.
+    unread = RateWindow(window_s=10)
+    for t in range(10_000):
+        unread.add(1, now=float(t))
+    assert len(unread._events) == 11 and unread.per_second(now=9_999.0) == 1.1

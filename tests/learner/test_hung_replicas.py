@@ -22,8 +22,9 @@ from pathlib import Path
 
 import grpc
 import pytest
-from support import ServiceProcess, free_port, group_pids
+from support import ServiceProcess, free_port
 
+from dgrpo.cli.procs import group_pids
 from dgrpo.learner.rollout import RolloutClient, RolloutConfig, RolloutStats, make_prompt
 from dgrpo.v1 import sampler_pb2
 
@@ -226,6 +227,8 @@ def test_a_straggler_is_hedged_on_the_idle_replica(samplers):
     async def scenario():
         client = RolloutClient([a.address, b.address], cfg)
         try:
+            for address in (a.address, b.address):  # connected first: a connect timeout on a busy machine is not
+                await client.info(address, 30.0, wait_for_ready=True)  # the case (it reads as a hung replica)
             with frozen(engine):
                 task = asyncio.create_task(collect(client, "hedge", 8, 64, stats))
                 deadline = time.monotonic() + 120
