@@ -34,7 +34,8 @@ LORA_LR = 1e-3
 demo's reward in 20 steps; 1e-3 did, adapter-only and merged."""
 MODES = {
     "full": [],
-    "lora": ["learner.lora.rank=8", "learner.lora.alpha=16", f"learner.optim.lr={LORA_LR}"],
+    "lora": ["learner.lora.rank=8", "learner.lora.alpha=16", f"learner.optim.lr={LORA_LR}",
+             "learner.lora.merge_on_sync=false"],  # the CPU default (auto) merges
     "lora-merge": ["learner.lora.rank=8", "learner.lora.alpha=16", f"learner.optim.lr={LORA_LR}",
                    "learner.lora.merge_on_sync=true"],
     "trl-lora": None,  # TRL's GRPOTrainer + PEFT (run_trl_lora)

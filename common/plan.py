@@ -269,9 +269,9 @@ def kv_bytes_per_token(m: ModelShape, dtype: str, tp: int = 1) -> int:
     return 2 * m.layers * max(1, m.kv_heads // tp) * m.head_dim * DTYPE_BYTES[dtype]
 
 
-def _lora_serving(m: ModelShape, cfg: Any) -> list[Term]:
+def _lora_serving(m: ModelShape, cfg: Any, device: str) -> list[Term]:
     """vLLM with LoRA keeps one adapter slot (max_loras 1) of max_lora_rank for every targeted module."""
-    lora = cfg.learner.lora
+    lora = cfg.learner.lora.on_device(device)
     if not lora.serves_adapters:
         return []
     A = lora_params(m, lora.vllm_max_lora_rank, lora.target_modules)
@@ -288,7 +288,7 @@ def plan_sampler(m: ModelShape, cfg: Any, device: str, device_bytes: int | None)
     batched = s.max_num_batched_tokens or VLLM_DEFAULT_BATCHED_TOKENS
     act = batched * (6 * m.hidden + 4 * m.intermediate) * DTYPE_BYTES[dtype] / tp + 2 * 4 * s.max_num_seqs * m.vocab
     terms = [Term("weights", weights, f"{m.params / 1e6:.0f}M params x {DTYPE_BYTES[dtype]} B ({dtype}) / TP {tp}"),
-             *_lora_serving(m, cfg),
+             *_lora_serving(m, cfg, device),
              Term("activations (profile)", act, f"max_num_batched_tokens {batched} x (6·h + 4·I) x dtype / TP + "
                   f"max_num_seqs {s.max_num_seqs} x vocab x 8 B (fp32 logits, sampler)")]
     runtime = 0.0 if s.enforce_eager and device != "cpu" else SAMPLER_RUNTIME[device]
@@ -370,7 +370,7 @@ def plan_stack(cfg: Any, *, device: str, device_bytes: int | None, learner_ranks
     m = read_shape(model_dir(cfg.model.path)) if cfg.model.path else _bundled_shape()
     learner = plan_learner(m, cfg, learner_ranks, device, None if device == "cpu" else device_bytes)
     sampler = plan_sampler(m, cfg, device, None if device == "cpu" else device_bytes)
-    shm = _weight_slots(m, cfg)
+    shm = _weight_slots(m, cfg, device)
     host = None
     if device == "cpu":
         n = samplers or max(1, len(cfg.sampler.addresses))
@@ -389,7 +389,7 @@ def plan_stack(cfg: Any, *, device: str, device_bytes: int | None, learner_ranks
     return StackPlan(m, device, learner, sampler, shm, host)
 
 
-def _weight_slots(m: ModelShape, cfg: Any) -> Term | None:
+def _weight_slots(m: ModelShape, cfg: Any, device: str) -> Term | None:
     """/dev/shm the weight channel needs (docs/weight_sync.md): the learner's two slots (shm), the two slots of each
     sampler host's relay (collective), one staging copy per replica (tcp)."""
     if not cfg.weights.enabled:
@@ -399,7 +399,7 @@ def _weight_slots(m: ModelShape, cfg: Any) -> Term | None:
              "collective": ("2 slots", 2, f"in {cfg.weights.shm_dir} of each sampler host (its relay's)"),
              "tcp": ("1 staging copy", 1, f"in {cfg.weights.shm_dir} of each replica")}
     what, slots, place = where[cfg.weights.transport]
-    lora = cfg.learner.lora
+    lora = cfg.learner.lora.on_device(device)
     if lora.serves_adapters:  # a version is the adapter alone
         A = lora_params(m, lora.rank, lora.target_modules)
         return Term("weight slots", slots * A * size,

@@ -157,7 +157,7 @@ class Actor:
         self.ctx = ctx or DistContext()
         self.total_steps, self.max_response_length, self.temperature = total_steps, max_response_length, temperature
         self.model_path = Path(model_path)
-        self.lora = lora if lora is not None and lora.enabled else None
+        self.lora = lora.on_device(self.ctx.device.type) if lora is not None and lora.enabled else None
         self.step = 0
         """Training steps done (one per `update`)."""
 
@@ -165,8 +165,8 @@ class Actor:
         self.policy = load_causal_lm(model_path, self.ctx.device, trust_remote_code, attention)
         if self.lora is not None:
             if (self.lora.merge_on_sync or self.lora.export_merged) and self.ctx.distributed:
-                raise ValueError("learner.lora.merge_on_sync and export_merged merge on one device; under torchrun "
-                                 "publish and export the adapter (both false)")
+                raise ValueError("learner.lora.merge_on_sync (auto: true on CPU) and export_merged merge on one "
+                                 "device; under torchrun publish and export the adapter (both false)")
             base_dtype = torch.float32 if cfg.dtype == "float32" else torch.bfloat16  # frozen: no master copy needed
             self.policy = peft_lora.apply_lora(self.policy, self.lora, base_dtype)
         self.policy.train()  # dropout is 0 in LLM configs; train mode is what gradient checkpointing keys on

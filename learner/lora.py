@@ -15,6 +15,7 @@ PEFT: https://huggingface.co/docs/peft/developer_guides/lora ; TRL's GRPOTrainer
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -23,6 +24,8 @@ import torch
 from dgrpo.common.config import ConfigError
 from dgrpo.weights.gather import DEFAULT_BUCKET_BYTES, full_tensors
 from dgrpo.weights.lora import LoraConfig
+
+log = logging.getLogger(__name__)
 
 ADAPTER = "default"
 """PEFT's adapter name; it appears in parameter names (`lora_A.default.weight`) but not in saved ones."""
@@ -68,6 +71,10 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig, base_dtype: torch.dtype)
     for p in wrapped.parameters():
         if p.requires_grad and p.dtype != torch.float32:  # fp32 master weights for what AdamW updates
             p.data = p.data.float()
+    trainable, frozen = count_parameters(wrapped)
+    log.info("LoRA rank %d, alpha %g: %.2fM adapter parameters train over a frozen %.0fM base; each version "
+             "publishes %s", cfg.rank, cfg.alpha, trainable / 1e6, frozen / 1e6,
+             "the merged full weights (merge_on_sync)" if cfg.merge_on_sync else "the adapter alone")
     return wrapped
 
 

@@ -157,4 +157,5 @@ def main(model: ModelConfig, sampler: SamplerConfig, weights: WeightSyncConfig, 
         env.update(devices.cpu_thread_binding(sampler.cpu_cores))
     os.environ.update(env)  # before vLLM is imported
     tracing.check(tracing_cfg or TracingConfig())  # missing packages fail before the engine loads
+    lora = lora.on_device(device) if lora is not None else None  # merge_on_sync auto: as the learner decides it
     return asyncio.run(serve(model, sampler, weights, credentials, multi_turn, tracing_cfg, lora))

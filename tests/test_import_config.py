@@ -368,7 +368,7 @@ def test_verl_lora_keys(tmp_path, capsys):
     rc, out, err = run(tmp_path, capsys, "verl", script, name="lora.sh")
     assert rc == 0, err
     lora = load_config(StackConfig, out).learner.lora
-    assert (lora.rank, lora.alpha, lora.target_modules, lora.merge_on_sync) == (64, 32.0, "all-linear", False)
+    assert (lora.rank, lora.alpha, lora.target_modules, lora.merge_on_sync) == (64, 32.0, "all-linear", "auto")
     assert {"actor_rollout_ref.model.use_shm", "actor_rollout_ref.model.layered_summon"} <= listed(err, "ignored")
 
 

@@ -204,5 +204,10 @@ def test_lora_terms_match_the_real_peft_actor(tmp_path, dtype, targets):
     assert terms["LoRA adapter fp32"] == adapter == grads == terms["adapter gradients fp32"]
     assert terms["adapter AdamW moments fp32"] == adam
     assert not {"reference fp32", "weights fp32", "autocast bf16 weights"} & set(terms)
-    stack = plan.plan_stack(cfg, device="cpu", device_bytes=None)
+    stack = plan.plan_stack(cfg, device="cuda", device_bytes=80 * 2**30)
     assert stack.shm.bytes == 2 * adapter // 2  # two bf16 slots of the adapter
+    assert any(t.name == "LoRA slot" for t in stack.sampler.terms)
+    # merge_on_sync auto merges on CPU: full bf16 weights travel and vLLM runs without LoRA.
+    stack = plan.plan_stack(cfg, device="cpu", device_bytes=None)
+    assert stack.shm.bytes == 2 * 2 * stack.model.params
+    assert not any(t.name == "LoRA slot" for t in stack.sampler.terms)

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Literal
 
 from pydantic import Field, field_validator
 
+from dgrpo.common import devices
 from dgrpo.common.config import StrictConfig
 
 VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -40,10 +42,12 @@ class LoraConfig(StrictConfig):
     """Modules that get an adapter: PEFT's `target_modules`, a list of module-name suffixes (e.g.
     [q_proj, k_proj, v_proj, o_proj]) or `all-linear` (every linear layer but the output head; verl's default).
     A list entry that matches no module of the model stops the learner at start, naming it."""
-    merge_on_sync: bool = False
+    merge_on_sync: bool | Literal["auto"] = "auto"
     """Publish full merged weights (base + (alpha / rank) * B @ A) each step instead of the adapter, and run the
     samplers without LoRA: TRL's behaviour, for engines whose LoRA kernels are slow. The merge is computed out of
-    place, so the frozen base is never modified (no merge/unmerge drift). Off: only the adapter travels."""
+    place, so the frozen base is never modified (no merge/unmerge drift). false: only the adapter travels. auto
+    (default): merged on CPU, where vLLM samples ~5x slower with LoRA on (docs/lora.md, Measured), the adapter
+    alone on CUDA and NPU (common/devices.py, lora_merges_on_sync)."""
     export_merged: bool = False
     """At the end of training, also write the merged model (a plain Hugging Face folder `vllm serve` loads without
     LoRA) to `<checkpoint.export_dir>/merged`; the adapter folder is always written."""
@@ -63,9 +67,18 @@ class LoraConfig(StrictConfig):
     def enabled(self) -> bool:
         return self.rank > 0
 
+    def on_device(self, device: str) -> LoraConfig:
+        """This config with `merge_on_sync: auto` decided for the device the model runs on. Learner and samplers
+        decide alike from the stack's model.device; a replica refuses a version of the other kind, naming both."""
+        if self.merge_on_sync != "auto":
+            return self
+        return self.model_copy(update={"merge_on_sync": devices.lora_merges_on_sync(device)})
+
     @property
     def serves_adapters(self) -> bool:
         """Samplers run vLLM with LoRA and load adapter versions (LoRA on, merge_on_sync off)."""
+        if self.merge_on_sync == "auto":
+            raise RuntimeError("learner.lora.merge_on_sync is still auto: resolve it with on_device(device) first")
         return self.enabled and not self.merge_on_sync
 
     @property

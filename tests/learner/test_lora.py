@@ -15,7 +15,7 @@ from dgrpo.learner.batch import Sequence
 from dgrpo.weights.lora import LoraConfig, check_adapter
 
 pytest.importorskip("peft")
-LORA = LoraConfig(rank=4, alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
+LORA = LoraConfig(rank=4, alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], merge_on_sync=False)
 
 
 def make_seqs(n: int = 8, seed: int = 0) -> list[Sequence]:
@@ -105,6 +105,20 @@ def test_adapter_publish_names_shapes_and_config(tiny_model):
     assert full_bytes > 20 * adapter_bytes
 
 
+def test_merge_on_sync_auto_merges_on_cpu_only(tiny_model):
+    """The default (auto) follows the engine's LoRA speed: merged full weights on CPU, the adapter on CUDA / NPU;
+    a sampler asked before it is decided refuses rather than guess."""
+    auto = LoraConfig(rank=4)
+    assert auto.merge_on_sync == "auto"
+    with pytest.raises(RuntimeError, match="still auto"):
+        _ = auto.serves_adapters
+    assert [auto.on_device(d).serves_adapters for d in ("cpu", "cuda", "npu")] == [False, True, True]
+    assert LORA.on_device("cpu").serves_adapters  # an explicit false stays false on CPU
+    actor = lora_actor(tiny_model, lora=LoraConfig(rank=4, target_modules=LORA.target_modules))
+    assert actor.adapter_config() is None  # on this CPU: full weights travel
+    assert not any(".lora_" in name for name, _ in actor.weight_layout())
+
+
 def test_merged_weights_equal_peft_merge_and_leave_the_base_alone(tiny_model):
     actor = lora_actor(tiny_model, lora=LORA.model_copy(update={"merge_on_sync": True}))
     actor.update(make_seqs(8), group_size=4)
@@ -133,7 +147,7 @@ def test_target_modules_matching_nothing_is_named(tiny_model):
 
 
 def test_all_linear_targets_every_linear_but_the_head(tiny_model):
-    actor = lora_actor(tiny_model, lora=LoraConfig(rank=2))
+    actor = lora_actor(tiny_model, lora=LoraConfig(rank=2, merge_on_sync=False))
     targets = set(json.loads(actor.adapter_config())["target_modules"])
     assert targets == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
 
