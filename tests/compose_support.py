@@ -36,6 +36,50 @@ def docker_problem() -> str | None:
     return None
 
 
+OWNER_LABEL = "dgrpo-test-pid"
+"""Label on the Docker objects a test run creates (the K8s runner's containers and networks): the creating pid.
+Compose projects carry it in their name instead (dgrpo-test-<pid>-<hex>)."""
+
+
+def _owner_gone(pid: str) -> bool:
+    if not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+def _project_owner(project: str) -> str:
+    parts = project.split("-")  # dgrpo-test-<pid>-<hex>
+    return parts[2] if len(parts) == 4 and project.startswith("dgrpo-test-") else ""
+
+
+def sweep_stale_test_objects() -> list[str]:
+    """Remove the containers, networks and volumes a killed earlier test run left on this daemon: their restart
+    policies (unless-stopped, a StatefulSet's Always) restart them with the daemon, and their restart loops take the
+    cores this run needs. Only objects whose creating process is gone; returns what was removed."""
+    labels = f'{{{{.Label "com.docker.compose.project"}}}}|{{{{.Label "{OWNER_LABEL}"}}}}'
+    removed = []
+    for kind, listing, ident, rm in (
+            ("container", ["docker", "ps", "-a"], "{{.ID}}", ["docker", "rm", "-f"]),
+            ("network", ["docker", "network", "ls"], "{{.ID}}", ["docker", "network", "rm"]),
+            ("volume", ["docker", "volume", "ls"], "{{.Name}}", ["docker", "volume", "rm"])):
+        out = run([*listing, "--format", f"{ident}|{labels}"], check=False).stdout
+        stale = []
+        for line in out.splitlines():
+            name, project, pid = (line.split("|") + ["", ""])[:3]
+            if _owner_gone(pid.strip() or _project_owner(project.strip())):
+                stale.append(name)
+        if stale:
+            run([*rm, *stale], timeout=300, check=False)
+            removed += [f"{kind} {name}" for name in stale]
+    return removed
+
+
 def compose_command() -> list[str] | None:
     if shutil.which("docker-compose"):
         return ["docker-compose"]
@@ -73,7 +117,7 @@ class Stack:
         """`token`: DGRPO_TOKEN for the run; None lets the stack make its own (read from a container when needed)."""
         from support import free_port
 
-        self.project = f"dgrpo-test-{secrets.token_hex(3)}"
+        self.project = f"dgrpo-test-{os.getpid()}-{secrets.token_hex(3)}"  # the pid: sweep_stale_test_objects
         self._token = token
         self.port = free_port()
         self.env = {**{k: v for k, v in os.environ.items() if not k.startswith(("DGRPO_", "COMPOSE_"))},

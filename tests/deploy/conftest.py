@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 import pytest
-from compose_support import DEPLOY, docker_problem, run
+from compose_support import DEPLOY, docker_problem, run, sweep_stale_test_objects
 
 
 @pytest.fixture(scope="session")
@@ -15,5 +15,8 @@ def docker_ready():
     if problem:
         print(f"\n[compose] SKIPPED, no compose run: {problem}", file=sys.stderr)
         pytest.skip(problem)
+    stale = sweep_stale_test_objects()
+    if stale:
+        print(f"\n[compose] removed {len(stale)} objects a killed earlier test run left: {stale}", file=sys.stderr)
     build = run(["bash", str(DEPLOY / "build.sh"), "cpu"], timeout=5400)
     print("\n".join(line for line in build.stdout.splitlines() if line.startswith("[build]")))

@@ -58,6 +58,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from compose_support import OWNER_LABEL, sweep_stale_test_objects
 from k8s_support import MISSING, kustomize_command, render
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -162,6 +163,7 @@ class PodRunner:
         self.id = secrets.token_hex(3)
         self.network = f"{PREFIX}{self.id}"
         self.label = f"dgrpo-k8s-test={self.id}"
+        self.owner_label = f"{OWNER_LABEL}={os.getpid()}"  # what a killed run leaves: sweep_stale_test_objects
         self.subnet: ipaddress.IPv4Network | None = None
         self.addresses = 0  # pod addresses handed out (from the lower half of the subnet; Docker's own: the upper)
         self.pods: dict[str, Pod] = {}
@@ -190,8 +192,9 @@ class PodRunner:
         for _ in range(20):  # a private /24 no other Docker network uses
             subnet = ipaddress.ip_network(f"10.{secrets.choice(range(200, 250))}.{secrets.randbelow(256)}.0/24")
             upper = list(subnet.subnets())[1]
-            proc = _run(["docker", "network", "create", "--internal", "--label", self.label, "--subnet", str(subnet),
-                         "--ip-range", str(upper), self.network], check=False)
+            proc = _run(["docker", "network", "create", "--internal", "--label", self.label,
+                         "--label", self.owner_label, "--subnet", str(subnet), "--ip-range", str(upper),
+                         self.network], check=False)
             if proc.returncode == 0:
                 self.subnet = subnet
                 break
@@ -199,8 +202,9 @@ class PodRunner:
         self.probe_dir.mkdir()
         os.chmod(self.probe_dir, 0o777)
         image = self.image_of(self.workload("Deployment", "rewarder")["spec"]["template"]["spec"]["containers"][0])
-        _run(["docker", "run", "-d", "--name", self.prober, "--label", self.label, "--network", self.network,
-              "--user", "10001:10001", "--read-only", "--cap-drop", "ALL", "-v", f"{self.probe_dir}:/probe",
+        _run(["docker", "run", "-d", "--name", self.prober, "--label", self.label, "--label", self.owner_label,
+              "--network", self.network, "--user", "10001:10001", "--read-only", "--cap-drop", "ALL",
+              "-v", f"{self.probe_dir}:/probe",
               "--entrypoint", "sleep", image, "infinity"])
 
     def start_pod(self, kind: str, name: str, ordinal: int | None = None) -> Pod:
@@ -348,8 +352,8 @@ class PodRunner:
                  "securityContext", "volumeMounts", "startupProbe", "readinessProbe", "livenessProbe"}
         assert set(c) <= known, f"{pod.name}/{c['name']}: fields not emulated: {set(c) - known}"
         cname = f"{PREFIX}{self.id}-{pod.name}-{c['name']}"
-        args = ["docker", "run", "--name", cname, "--label", self.label, "--hostname", pod.name,
-                "--network", self.network]
+        args = ["docker", "run", "--name", cname, "--label", self.label, "--label", self.owner_label,
+                "--hostname", pod.name, "--network", self.network]
         if detach:
             pod.containers[c["name"]] = cname
             args += ["-d", "--ip", pod.ip]
@@ -499,6 +503,9 @@ def image() -> str | None:
     if problem:
         print(f"\n[test_k8s_run] SKIPPED: {problem}", file=sys.stderr)
         pytest.skip(problem)
+    stale = sweep_stale_test_objects()
+    if stale:
+        print(f"\n[test_k8s_run] removed {len(stale)} objects a killed earlier test run left: {stale}", file=sys.stderr)
     if os.environ.get("DGRPO_TEST_IMAGE"):
         return os.environ["DGRPO_TEST_IMAGE"]
     build = _run(["bash", str(ROOT / "deploy" / "build.sh"), "cpu"], timeout=5400)
