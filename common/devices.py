@@ -99,8 +99,8 @@ def fp32_attention_backward(device: str) -> bool:
 def lora_merges_on_sync(device: str) -> bool:
     """learner.lora.merge_on_sync `auto`: publish merged full weights instead of the adapter where vLLM serves LoRA
     slowly. vLLM-CPU turns compilation off with LoRA and runs its LoRA kernels as plain torch ops: the demo samples
-    ~5x slower with an adapter, and merging is 2.3x faster per step despite 55x the bytes (docs/lora.md). CUDA and
-    NPU have LoRA kernels (Punica, vllm-ascend's), so the adapter alone travels there."""
+    2.4-5x slower with an adapter, and merging is 1.4-2.3x faster per step despite 55x the bytes (docs/lora.md).
+    CUDA and NPU have LoRA kernels (Punica, vllm-ascend's), so the adapter alone travels there."""
     return device == "cpu"
 
 

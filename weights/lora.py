@@ -46,7 +46,7 @@ class LoraConfig(StrictConfig):
     """Publish full merged weights (base + (alpha / rank) * B @ A) each step instead of the adapter, and run the
     samplers without LoRA: TRL's behaviour, for engines whose LoRA kernels are slow. The merge is computed out of
     place, so the frozen base is never modified (no merge/unmerge drift). false: only the adapter travels. auto
-    (default): merged on CPU, where vLLM samples ~5x slower with LoRA on (docs/lora.md, Measured), the adapter
+    (default): merged on CPU, where vLLM samples 2.4-5x slower with LoRA on (docs/lora.md, Measured), the adapter
     alone on CUDA and NPU (common/devices.py, lora_merges_on_sync)."""
     export_merged: bool = False
     """At the end of training, also write the merged model (a plain Hugging Face folder `vllm serve` loads without
