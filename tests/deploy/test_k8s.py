@@ -429,7 +429,7 @@ def _slot_bytes(variant: str, container: dict, tmp_path: Path) -> int:
         (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForCausalLM"],
                                                           **MODEL_SHAPES[cfg.model.path]}))
         shape = plan.read_shape(tmp_path)
-    return plan._weight_slots(shape, cfg).bytes
+    return plan._weight_slots(shape, cfg, variant).bytes  # the variant names the device
 
 
 def _quantity(q) -> float:
