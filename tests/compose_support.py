@@ -18,6 +18,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from dgrpo.weights.shm import pid_alive
+
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 TOKEN_FILE = "/run/dgrpo-secrets/token"  # where the compose file's `token` service writes the stack's token
@@ -41,18 +43,6 @@ OWNER_LABEL = "dgrpo-test-pid"
 Compose projects carry it in their name instead (dgrpo-test-<pid>-<hex>)."""
 
 
-def _owner_gone(pid: str) -> bool:
-    if not pid.isdigit():
-        return False
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
-
-
 def _project_owner(project: str) -> str:
     parts = project.split("-")  # dgrpo-test-<pid>-<hex>
     return parts[2] if len(parts) == 4 and project.startswith("dgrpo-test-") else ""
@@ -72,7 +62,8 @@ def sweep_stale_test_objects() -> list[str]:
         stale = []
         for line in out.splitlines():
             name, project, pid = (line.split("|") + ["", ""])[:3]
-            if _owner_gone(pid.strip() or _project_owner(project.strip())):
+            owner = pid.strip() or _project_owner(project.strip())
+            if owner.isdigit() and not pid_alive(int(owner)):
                 stale.append(name)
         if stale:
             run([*rm, *stale], timeout=300, check=False)

@@ -38,7 +38,7 @@ def owner_tag() -> str:
     return f"{pid_namespace()}-{os.getpid()}"
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -59,7 +59,7 @@ def reclaim_stale(shm_dir: str | Path) -> list[str]:
         if m is None:
             continue
         pid = int(m.group("pid"))
-        if int(m.group("ns")) != pid_namespace() or pid == os.getpid() or _pid_alive(pid):
+        if int(m.group("ns")) != pid_namespace() or pid == os.getpid() or pid_alive(pid):
             continue
         try:
             size = path.stat().st_size

@@ -20,7 +20,7 @@ from support import ServiceProcess, free_port
 pytestmark = pytest.mark.slow
 pytest.importorskip("peft")
 LORA = {"rank": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj", "up_proj", "down_proj"],
-        "merge_on_sync": False}  # adapter-only sync: auto would merge on CPU (test_lora_auto_merges_on_cpu)
+        "merge_on_sync": False}  # adapter-only sync: auto merges on CPU (test_merge_on_sync_auto_merges_on_cpu_only)
 
 
 def test_lora_run_publishes_adapters_the_sampler_serves(tiny_model, tmp_path):
