@@ -73,7 +73,11 @@ def _phases(stack: Stack, timings: dict[str, float]) -> None:
     assert len(cids["sampler"]) == 2 and len(cids["learner"]) == 1 and len(cids["rewarder"]) == 1, cids
     stack.wait_healthy([c for ids in cids.values() for c in ids])
     timings["healthy_2_replicas"] = time.monotonic() - t
-    two = stack.wait_step(lambda r: len(replicas(r)) == 2, "with groups from both replicas")
+    # (In one step or over several: with two replicas on 2 cores the rollout's straggler watch often hedges one's
+    # prompts on the other, and the first complete group wins.)
+    served: set[str] = set()
+    two = stack.wait_step(lambda r: bool(served.update(replicas(r))) or len(served) == 2,
+                          "with groups from both replicas")
     timings["first_step_on_2"] = time.monotonic() - t
     # The holder's /dev/shm (what the learner and every sampler map) holds the weight slots, named with the PID
     # namespace all of them share.

@@ -650,9 +650,13 @@ def _phases(runner: PodRunner, run: Run, timings: dict[str, float]) -> None:
     timings["all_ready"] = time.monotonic() - t
 
     # 2. Two steps, groups from both samplers; each sampler pod's relay received the weights over its own group.
-    two = run.wait_step(lambda r: r["step"] >= 2 and len(replicas(r)) == 2, "with groups from both replicas")
+    # (Both by the second step or later, in one step or over several: with two replicas on 2 cores the rollout's
+    # straggler watch often hedges one's prompts on the other, and the first complete group wins.)
+    served: set[str] = set()
+    two = run.wait_step(lambda r: bool(served.update(replicas(r))) or (r["step"] >= 2 and len(served) == 2),
+                        "with groups from both replicas")
     timings["two_steps"] = time.monotonic() - t
-    assert {f"{p.name}:50051" for p in samplers} == set(replicas(two)), replicas(two)
+    assert {f"{p.name}:50051" for p in samplers} == served, served
     assert {p.name for p in samplers} <= run.relays(learner), "a sampler pod got its weights another way"
     status = run.exec_python(learner, RPC.format(mod="learner", port=50053, stub="LearnerStub", method="Status",
                                                  request="StatusRequest", fields="")
