@@ -11,6 +11,7 @@ Cases (each in a fresh process, so one's peak never hides in another's):
   demo-sampler     `dgrpo sampler --config configs/cpu-demo.yaml` (kv_cache_space_gib 1): PSS and RSS of its whole
                    process tree once it serves
 
+Learner cases run on the CPU learner's allocator (tcmalloc where installed; DGRPO_CPU_ALLOCATOR=system: glibc's).
 Measured: the peak RSS of the learner process while `Actor.update` runs (sampled every 5 ms) and the tensor bytes
 (parameters, gradients, AdamW states; the bytes autograd saved for backward in one micro-batch, counted with
 saved_tensors_hooks). The plan's figure for the same config is printed next to each, with the ratio.
@@ -215,6 +216,7 @@ def main() -> None:
         out = child_sampler(CASES[case][1]) if case.endswith("sampler") else child_learner(model, CASES[case][1])
         print("RESULT " + json.dumps(out))
         return
+    from dgrpo.common.devices import host_allocator_env
     from dgrpo.common.models import prepare_bundled_model
     from dgrpo.common.preflight import fmt_bytes
 
@@ -224,8 +226,10 @@ def main() -> None:
         which, overrides = CASES[case]
         model = str(large_model(Path(f"{args.large_dir}-{which}"), which)) if which else demo
         t0 = time.perf_counter()
+        # A learner case runs on the allocator the CPU learner runs on (tcmalloc where installed; common/devices.py).
+        env = os.environ if case.endswith("sampler") else {**os.environ, **host_allocator_env("cpu")}
         proc = subprocess.run([sys.executable, __file__, "--child", case, model], check=False, capture_output=True,
-                              text=True)
+                              text=True, env=env)
         line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
         if line is None:
             print(f"{case}: failed\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")

@@ -7,6 +7,7 @@ answer in about a second. Each command then imports only its own service.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -101,7 +102,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _reexec_on_host_allocator(cfg: StackConfig, argv: list[str]) -> None:
+    """The CPU learner runs on tcmalloc where the system has it (common/devices.py host_allocator_env): the
+    allocator is chosen when a process starts, so the learner starts again with it, keeping its PID, its arguments
+    and its output (under `dgrpo up`, torchrun and Docker alike)."""
+    from dgrpo.common.devices import detect_device, host_allocator_env
+
+    env = host_allocator_env(detect_device(cfg.model.device))
+    if env:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execve(sys.executable, [sys.executable, "-m", "dgrpo.cli", *argv], {**os.environ, **env})
+
+
 def main(argv: list[str] | None = None) -> int:
+    process_entry = argv is None  # the process's own command line: only then may it start itself again
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["up"]:  # the launcher has its own options (--samplers, ...)
         from dgrpo.cli.up import main as up_main
@@ -130,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     # The same checks as `dgrpo doctor`, for this service: refuse to start on a FAIL.
     if args.command in SERVICES and report_failures(f"dgrpo {args.command}", startup_failures(cfg, (args.command,))):
         return 2
+    if args.command == "learner" and process_entry:
+        _reexec_on_host_allocator(cfg, argv)
     try:
         return int(COMMANDS[args.command][2](cfg) or 0)
     except (ConfigError, FileNotFoundError) as e:  # bad paths surface at start, as one clear line

@@ -6,6 +6,7 @@ stack needs — is decided here so the rest of dgrpo reads the same on every dev
 
 from __future__ import annotations
 
+import glob
 import importlib.util
 import os
 from typing import Literal
@@ -172,6 +173,38 @@ def learner_env(device: DeviceKind, environ: dict[str, str] | None = None) -> di
     if device == "npu":
         return {"PYTORCH_NPU_ALLOC_CONF": env.get("PYTORCH_NPU_ALLOC_CONF", "expandable_segments:True")}
     return {}
+
+
+TCMALLOC_GLOBS = ("/usr/lib/*-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib64/libtcmalloc_minimal.so.4",
+                  "/usr/lib/libtcmalloc_minimal.so.4", "/usr/local/lib/libtcmalloc_minimal.so.4")
+"""Where distributions put gperftools' tcmalloc (Debian and Ubuntu: libtcmalloc-minimal4)."""
+
+
+def find_tcmalloc() -> str | None:
+    for pattern in TCMALLOC_GLOBS:
+        found = sorted(glob.glob(pattern))
+        if found:
+            return found[0]
+    return None
+
+
+def host_allocator_env(device: DeviceKind, environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment a CPU learner re-executes itself with so that it runs on tcmalloc, where the system has it
+    ({} when nothing changes). A training step frees and reallocates gigabytes of activations and gradients; glibc's
+    heap keeps the freed holes, tcmalloc reuses them: on the demo's learner update (2 cores) peak memory 6.4 -> 3.9
+    GB with LoRA and 5.1 -> 4.6 GB without, and the update 11-12% faster (docs/lora.md). vLLM's CPU backend
+    recommends the same allocator. DGRPO_CPU_ALLOCATOR=system keeps glibc's; an LD_PRELOAD that already names an
+    allocator is left as it is."""
+    env = os.environ if environ is None else environ
+    preload = env.get("LD_PRELOAD", "")
+    if device != "cpu" or env.get("DGRPO_CPU_ALLOCATOR", "tcmalloc") == "system" or "malloc" in preload:
+        return {}
+    path = find_tcmalloc()
+    if path is None:
+        return {}
+    # tcmalloc reports every allocation above 1 GiB on stderr (vLLM's KV cache, a big model's weights): not news.
+    return {"LD_PRELOAD": f"{path}:{preload}" if preload else path,
+            "TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": env.get("TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD", str(1 << 40))}
 
 
 def visible_devices(device: DeviceKind, environ: dict[str, str] | None = None) -> list[int] | None:

@@ -81,6 +81,8 @@ def main(cfg: LearnerRunConfig) -> int:
 
     for key, value in learner_env(detect_device(cfg.model.device)).items():
         os.environ.setdefault(key, value)
+    if "malloc" in os.environ.get("LD_PRELOAD", ""):
+        log.info("host allocator: %s (LD_PRELOAD)", os.environ["LD_PRELOAD"].split(":")[0])
     from dgrpo.learner.checkpoint import CheckpointError
     from dgrpo.learner.loop import Trainer
     from dgrpo.learner.reward_client import RewardError

@@ -102,3 +102,21 @@ def test_cpu_samplers_do_not_split_prefills_unless_asked():
     # Other devices: vLLM's own choice, untouched.
     assert devices.sampler_prefill("npu", None, None, 4096) == (None, None, True)
     assert devices.sampler_prefill("cuda", True, 2048, 4096) == (True, 2048, True)
+
+
+def test_a_cpu_learner_runs_on_tcmalloc_where_the_system_has_it(monkeypatch, tmp_path):
+    lib = tmp_path / "libtcmalloc_minimal.so.4"
+    lib.write_bytes(b"")
+    monkeypatch.setattr(devices, "TCMALLOC_GLOBS", (str(tmp_path / "libtcmalloc_minimal.so.4"),))
+    env = devices.host_allocator_env("cpu", {})
+    assert env["LD_PRELOAD"] == str(lib) and int(env["TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD"]) >= 1 << 30
+    # Another preload stays, after tcmalloc; the user's report threshold stands.
+    env = devices.host_allocator_env("cpu", {"LD_PRELOAD": "/x/libgomp.so.1",
+                                             "TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": "5"})
+    assert env == {"LD_PRELOAD": f"{lib}:/x/libgomp.so.1", "TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": "5"}
+    # Left alone: an allocator already preloaded, glibc asked for, an accelerator's learner, no tcmalloc installed.
+    assert devices.host_allocator_env("cpu", {"LD_PRELOAD": "/usr/lib/libjemalloc.so.2"}) == {}
+    assert devices.host_allocator_env("cpu", {"DGRPO_CPU_ALLOCATOR": "system"}) == {}
+    assert devices.host_allocator_env("cuda", {}) == {} and devices.host_allocator_env("npu", {}) == {}
+    monkeypatch.setattr(devices, "TCMALLOC_GLOBS", (str(tmp_path / "none.so"),))
+    assert devices.host_allocator_env("cpu", {}) == {}

@@ -22,6 +22,7 @@ import yaml
 from loop_support import fixed_port, read_jsonl, replicas_and_rewarder, sampler_info, start_rewarder, write_sums
 from support import ServiceProcess, free_port
 
+from dgrpo.common import devices
 from dgrpo.v1 import learner_pb2, learner_pb2_grpc, sampler_pb2
 
 pytestmark = pytest.mark.slow
@@ -162,6 +163,9 @@ def test_on_end_idle_serves_status_after_stop_and_a_restart_trains_nothing(stack
     learner = ServiceProcess("learner", args, port)
     try:
         _wait_status(learner, lambda s: s.step >= 1)
+        # On CPU it trains on tcmalloc where the system has it (.ci/run installs it), under the PID it started with.
+        maps = Path(f"/proc/{learner.proc.pid}/maps").read_text()
+        assert ("/libtcmalloc" in maps) == (devices.find_tcmalloc() is not None), "allocator not as the host allows"
         with grpc.insecure_channel(learner.address) as ch:
             stop = learner_pb2_grpc.LearnerStub(ch).Stop(learner_pb2.StopRequest(reason="k8s done"), timeout=5)
         ended = _wait_status(learner, lambda s: s.phase == "stopped")
