@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import grpc
@@ -56,8 +57,11 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
         except tuple(STATUS) as e:
             code, outcome = next(v for t, v in STATUS.items() if isinstance(e, t))
             await context.abort(code, bounded(str(e)))
+        except (asyncio.CancelledError, GeneratorExit):
+            outcome = "cancelled"  # the client went away or cancelled (the learner does once its last group came)
+            raise
         except BaseException:
-            outcome = "cancelled_or_failed"
+            outcome = "failed"
             raise
         finally:
             self.metrics.requests_in_flight.dec()
