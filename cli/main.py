@@ -108,8 +108,11 @@ def _reexec_on_host_allocator(cfg: StackConfig, argv: list[str]) -> None:
     and its output (under `dgrpo up`, torchrun and Docker alike)."""
     from dgrpo.common.devices import detect_device, host_allocator_env
 
-    env = host_allocator_env(detect_device(cfg.model.device))
-    if env:
+    if cfg.model.device not in ("auto", "cpu"):
+        return
+    # What would change on CPU first: detecting the device imports torch, which nothing here needs otherwise.
+    env = host_allocator_env("cpu")
+    if env and detect_device(cfg.model.device) == "cpu":
         sys.stdout.flush()
         sys.stderr.flush()
         os.execve(sys.executable, [sys.executable, "-m", "dgrpo.cli", *argv], {**os.environ, **env})

@@ -188,6 +188,12 @@ def find_tcmalloc() -> str | None:
     return None
 
 
+def preloaded_allocator(environ: dict[str, str] | None = None) -> str | None:
+    """The malloc replacement LD_PRELOAD names (tcmalloc, jemalloc, mimalloc, ...), if any."""
+    env = os.environ if environ is None else environ
+    return next((lib for lib in env.get("LD_PRELOAD", "").split(":") if "malloc" in lib), None)
+
+
 def host_allocator_env(device: DeviceKind, environ: dict[str, str] | None = None) -> dict[str, str]:
     """The environment a CPU learner re-executes itself with so that it runs on tcmalloc, where the system has it
     ({} when nothing changes). A training step frees and reallocates gigabytes of activations and gradients; glibc's
@@ -197,7 +203,7 @@ def host_allocator_env(device: DeviceKind, environ: dict[str, str] | None = None
     allocator is left as it is."""
     env = os.environ if environ is None else environ
     preload = env.get("LD_PRELOAD", "")
-    if device != "cpu" or env.get("DGRPO_CPU_ALLOCATOR", "tcmalloc") == "system" or "malloc" in preload:
+    if device != "cpu" or env.get("DGRPO_CPU_ALLOCATOR", "tcmalloc") == "system" or preloaded_allocator(env):
         return {}
     path = find_tcmalloc()
     if path is None:

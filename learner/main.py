@@ -77,12 +77,13 @@ def main(cfg: LearnerRunConfig) -> int:
     except ConfigError as e:
         print(f"dgrpo learner: {e}", file=sys.stderr)
         return 2
-    from dgrpo.common.devices import detect_device, learner_env
+    from dgrpo.common.devices import detect_device, learner_env, preloaded_allocator
 
     for key, value in learner_env(detect_device(cfg.model.device)).items():
         os.environ.setdefault(key, value)
-    if "malloc" in os.environ.get("LD_PRELOAD", ""):
-        log.info("host allocator: %s (LD_PRELOAD)", os.environ["LD_PRELOAD"].split(":")[0])
+    allocator = preloaded_allocator()
+    if allocator:
+        log.info("host allocator: %s (LD_PRELOAD)", allocator)
     from dgrpo.learner.checkpoint import CheckpointError
     from dgrpo.learner.loop import Trainer
     from dgrpo.learner.reward_client import RewardError
