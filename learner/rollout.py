@@ -358,6 +358,9 @@ class RolloutClient:
         """Every `straggler_check_s`, the engine steps of the replicas holding prompts; a straggler's pending
         prompts are hedged on the fastest healthy replica (learner/stragglers.py)."""
         rates = StepRates(self.cfg.straggler_speed, suspects=self._straggler_suspects)
+        # One Info in flight per replica: one not answered within a check counts as not stepping at that check, and
+        # its answer, when it comes, is read at the time it came (learner/stragglers.py).
+        readings: dict[str, asyncio.Task] = {}
         try:
             # The first reading as soon as the calls are out, so that the first rates come one period after they start.
             wait = min(0.1, self.cfg.straggler_check_s)
@@ -366,11 +369,19 @@ class RolloutClient:
                 wait = self.cfg.straggler_check_s
                 holders = batch.holders()
                 read = sorted(holders | rates.watched())
-                answers = await asyncio.gather(*(self.info(a, self.cfg.straggler_check_s) for a in read),
-                                               return_exceptions=True)
-                steps = {a: None if isinstance(info, BaseException) else info.engine_steps
-                         for a, info in zip(read, answers, strict=True)}
-                for straggler in rates.observe(time.monotonic(), steps, holders):
+                for address in read:
+                    if address not in readings:
+                        readings[address] = asyncio.create_task(self._engine_steps(address))
+                await asyncio.wait([readings[a] for a in read], timeout=self.cfg.straggler_check_s)
+                now = time.monotonic()
+                steps: dict[str, int | None] = dict.fromkeys(read)
+                read_at: dict[str, float] = {}
+                for address in read:
+                    if readings[address].done():
+                        answer = readings.pop(address).result()
+                        if answer is not None:
+                            read_at[address], steps[address] = answer
+                for straggler in rates.observe(now, steps, holders, read_at):
                     target = self._hedge_target(batch, rates, exclude=straggler)
                     prompts = batch.hedge_from(straggler) if target else []
                     if prompts:
@@ -382,7 +393,17 @@ class RolloutClient:
                         batch.tasks.add(task)
                         task.add_done_callback(batch.tasks.discard)
         finally:
+            for reading in readings.values():
+                reading.cancel()
             self._straggler_suspects = rates.next_suspects()
+
+    async def _engine_steps(self, address: str) -> tuple[float, int] | None:
+        """(when it came, the replica's engine_steps), or None when Info failed or took longer than a probe."""
+        try:
+            info = await self.info(address, max(self.cfg.probe_timeout_s, self.cfg.straggler_check_s))
+        except Exception:  # noqa: BLE001 -- any failure (deadline, channel closed, ...) reads as not stepping
+            return None
+        return time.monotonic(), info.engine_steps
 
     def _hedge_target(self, batch: Batch, rates: StepRates, exclude: str) -> str | None:
         """The healthy replica to duplicate a straggler's prompts on: one holding nothing first, then the fastest;

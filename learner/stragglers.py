@@ -9,10 +9,13 @@ prompts duplicated at once on the fastest healthy replica, busy or not (the hedg
 Dean & Barroso 2013, sent as soon as the tail is known rather than after a fixed delay).
 
 A replica that does not answer Info within a check counts as not stepping: a process stopped most of the time
-answers late. Two checks in a row keep one slow prefill, one garbage-collection pause or one late answer from being
-taken for a straggler; a wrong guess costs only duplicate work (the first complete group wins). A replica that was
-slow at its last check of the previous batch needs one slow check only: a throttled host or a noisy neighbour stays
-slow from one step to the next, and the earlier the hedge, the less the step waits.
+answers late. Its answer is still awaited and, when it comes, read at the time it came: a busy CPU replica whose
+gRPC server answers a little later than a check period still shows its true rate (else the fastest replica, the one
+every other is compared with, could go unmeasured for a whole batch). Two checks in a row keep one slow prefill,
+one garbage-collection pause or one late answer from being taken for a straggler; a wrong guess costs only
+duplicate work (the first complete group wins). A replica that was slow at its last check of the previous batch
+needs one slow check only: a throttled host or a noisy neighbour stays slow from one step to the next, and the
+earlier the hedge, the less the step waits.
 """
 
 from __future__ import annotations
@@ -43,14 +46,18 @@ class StepRates:
         that one which finished its prompts in between still gives the rate of its last window."""
         return set(self._last)
 
-    def observe(self, now: float, steps: dict[str, int | None], holding: set[str] | None = None) -> list[str]:
+    def observe(self, now: float, steps: dict[str, int | None], holding: set[str] | None = None,
+                read_at: dict[str, float] | None = None) -> list[str]:
         """One check: engine_steps (None when Info did not answer) of the replicas holding prompts, `holding`
         (default: all of `steps`), and of those read at the previous check; returns the stragglers among the
-        holders: slow at `checks_in_a_row` checks in a row. A replica that no longer holds prompts gets the rate of
-        its last window and is then forgotten, so its next window starts when it gets prompts again."""
+        holders: slow at `checks_in_a_row` checks in a row. `read_at`: when a count was read, where not `now` (an
+        answer that came after its check). A replica that no longer holds prompts gets the rate of its last window
+        and is then forgotten, so its next window starts when it gets prompts again."""
         holding = set(steps) if holding is None else holding
+        read_at = read_at or {}
         current: dict[str, float | None] = {}
         for address, count in steps.items():
+            when = read_at.get(address, now)
             previous = self._last.pop(address, None)
             if count is None:
                 if previous is not None and address in holding:
@@ -58,9 +65,14 @@ class StepRates:
                 current[address] = None
                 continue
             if address in holding:
-                self._last[address] = (now, count)
-            if previous is not None and now > previous[0]:
-                current[address] = self.rates[address] = (count - previous[1]) / (now - previous[0])
+                self._last[address] = (when, count)
+            if previous is not None and when > previous[0]:
+                rate = (count - previous[1]) / (when - previous[0])
+                if address not in holding:
+                    # Done with its prompts within this window (or before it, its groups still on their way): idle
+                    # for part of it, so the window understates its speed, which its earlier window showed.
+                    rate = max(rate, self.rates.get(address, 0.0))
+                current[address] = self.rates[address] = rate
         for address in set(self._last) - holding:
             del self._last[address]
         for address in set(self._slow) - holding:

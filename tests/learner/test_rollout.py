@@ -131,6 +131,20 @@ def test_a_straggler_of_the_previous_batch_needs_one_slow_check_and_a_recovered_
     assert third.next_suspects() == {"gone"}  # never checked: still suspected
 
 
+def test_answers_that_come_after_their_check_are_read_at_the_time_they_came():
+    """A busy replica's Info can come later than a check period: it counts as not stepping at that check, and its
+    answer, read when it came, still gives its true rate, so the slow one is found against it."""
+    from dgrpo.learner.stragglers import StepRates
+
+    rates = StepRates(0.5)
+    assert rates.observe(0.0, {"a": None, "b": 0}) == []  # a's first answer is late: no rate to compare with yet
+    assert rates.observe(0.5, {"a": 0, "b": 0}, read_at={"a": 0.3}) == []
+    assert rates.observe(1.0, {"a": None, "b": 0}) == []
+    assert rates.observe(1.5, {"a": 24, "b": 0}, read_at={"a": 1.1}) == []  # b slow once
+    assert rates.rates["a"] == pytest.approx(24 / 0.8)  # 24 steps between the times its answers came, not checks
+    assert rates.observe(2.0, {"a": None, "b": 0}) == ["b"]  # twice: a's last rate is the reference while it is late
+
+
 def test_a_replica_that_finished_its_prompts_between_two_checks_still_gives_its_rate():
     """A fast replica can finish its chunk before its first rate: its last window still shows what a healthy
     engine does, so the one still holding prompts without stepping is found."""
@@ -142,3 +156,10 @@ def test_a_replica_that_finished_its_prompts_between_two_checks_still_gives_its_
     assert rates.observe(0.25, {"a": 10, "b": 0}, holding={"b"}) == []  # a is done: read once more, then forgotten
     assert rates.rates["a"] == 40.0 and rates.watched() == {"b"}
     assert rates.observe(0.5, {"b": 0}, holding={"b"}) == ["b"]
+    # A replica whose engine finished stepping before a check at which it still held prompts (its groups on their
+    # way) reads 0 steps in its last window: that idle window does not erase the rate it showed.
+    late = StepRates(0.5)
+    late.observe(0.0, {"a": 0, "b": 0})
+    assert late.observe(1.0, {"a": 70, "b": 0}) == []  # b slow once
+    assert late.observe(1.5, {"a": 70, "b": 0}, holding={"b"}) == ["b"] and late.rates["a"] == 70.0
+    assert late.observe(2.0, {"b": 0}, holding={"b"}) == ["b"]  # still the reference while b holds prompts
