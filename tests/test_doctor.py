@@ -143,6 +143,20 @@ def test_ascend_environment_per_service():
     assert doctor.check_env("sampler", "cpu", {}) == []
 
 
+def test_a_cpu_learner_without_tcmalloc_is_warned_and_one_that_has_it_says_which():
+    from dgrpo.common.devices import find_tcmalloc
+
+    (missing,) = doctor.check_allocator("learner", "cpu", {}, find=lambda: None)  # a host without the library
+    assert missing.status == "WARN" and "libtcmalloc-minimal4" in missing.fix and "DGRPO_CPU_ALLOCATOR" in missing.fix
+    (chosen,) = doctor.check_allocator("learner", "cpu", {"DGRPO_CPU_ALLOCATOR": "system"}, find=lambda: None)
+    assert chosen.status == "OK" and "glibc" in chosen.detail
+    (own,) = doctor.check_allocator("learner", "cpu", {"LD_PRELOAD": "/opt/libjemalloc.so.2"}, find=lambda: None)
+    assert own.status == "OK" and "libjemalloc" in own.detail
+    (here,) = doctor.check_allocator("learner", "cpu", {})  # this host, as the learner would find it
+    assert here.status == ("OK" if find_tcmalloc() else "WARN"), here
+    assert doctor.check_allocator("sampler", "cpu", {}) == doctor.check_allocator("learner", "npu", {}) == []
+
+
 def test_shm_too_small_for_two_slots_fails(tmp_path, monkeypatch):
     cfg = load_config(StackConfig, None, [f"weights.shm_dir={tmp_path}"])
     real = doctor.shutil.disk_usage
