@@ -27,6 +27,7 @@ from dgrpo.learner import lora as peft_lora
 from dgrpo.learner.actor_config import ActorConfig, AlgorithmConfig, MaskedIS, OptimConfig
 from dgrpo.learner.attention import PROMPT_BLOCKS, block_forward_kwargs
 from dgrpo.learner.batch import MicroBatch, Sequence, micro_batches
+from dgrpo.learner.compute_copy import ComputeCopy
 from dgrpo.learner.distributed import (
     DistContext,
     all_reduce_max,
@@ -147,10 +148,12 @@ class Actor:
         ctx: DistContext | None = None,
         trust_remote_code: bool = False,
         lora: LoraConfig | None = None,
+        seed: int = 0,
     ):
         """`total_steps`: training steps of the run (the lr schedule's horizon). `max_response_length`:
         the sampler's max_tokens (Dr. GRPO's normaliser). `temperature`: the sampling temperature, so the
-        learner's logprobs are of the same temperature-scaled distribution the sampler drew from."""
+        learner's logprobs are of the same temperature-scaled distribution the sampler drew from. `seed`: the run's, for
+        the stochastic rounding of bf16_weights=published."""
         if temperature <= 0:
             raise ValueError(f"temperature={temperature}: logprobs of greedy (0) sampling cannot be trained on")
         self.cfg, self.optim_cfg, self.algo = cfg, optim, algorithm
@@ -172,6 +175,14 @@ class Actor:
         self.policy.train()  # dropout is 0 in LLM configs; train mode is what gradient checkpointing keys on
         if cfg.gradient_checkpointing:
             self.policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.compute = None
+        """bf16_weights=published: the bf16 copy forwards and backwards run on (learner/compute_copy.py)."""
+        self._updates_this_step = 0
+        if cfg.dtype == "bfloat16" and cfg.bf16_weights == "published":
+            if self.lora is not None or self.ctx.distributed:
+                raise ValueError("learner.actor.bf16_weights=published trains full weights on one device: use "
+                                 "autocast with learner.lora or under torchrun")
+            self.compute = ComputeCopy(self.policy, seed)
         self.reference = None
         if algorithm.beta > 0 and self.lora is None:  # LoRA: the reference is the policy without its adapter
             self.reference = load_causal_lm(model_path, self.ctx.device, trust_remote_code, attention).eval()
@@ -193,7 +204,7 @@ class Actor:
     # ---- forwards -------------------------------------------------------------------------------------
 
     def _autocast(self):
-        if self.cfg.dtype == "float32":
+        if self.cfg.dtype == "float32" or self.compute is not None:  # the copy is bf16 already
             return nullcontext()
         return torch.autocast(device_type=self.ctx.device.type, dtype=torch.bfloat16)
 
@@ -270,6 +281,18 @@ class Actor:
             model.train(training)
         return out
 
+    def _trained_model(self) -> torch.nn.Module:
+        """The model the policy's forwards run on: the policy, or its bf16 copy rounded for the coming update."""
+        if self.compute is None:
+            return self.policy
+        self.compute.refresh(self.step, self._updates_this_step)
+        return self.compute.model
+
+    def masters_loaded(self) -> None:
+        """A checkpoint replaced the policy's weights: the bf16 copy is rounded from them again at next use."""
+        if self.compute is not None:
+            self.compute.invalidate()
+
     @property
     def has_reference(self) -> bool:
         return self.reference is not None or (self.lora is not None and self.algo.beta > 0)
@@ -289,7 +312,7 @@ class Actor:
         """Per-sequence completion logprobs under the policy (or the reference), no grad. Single process:
         all of `seqs`; distributed: every rank must call it with its own list."""
         if not reference:
-            return self._local_logprobs(self.policy, seqs)
+            return self._local_logprobs(self._trained_model(), seqs)
         with self._reference_model() as model:
             return self._local_logprobs(model, seqs)
 
@@ -349,7 +372,8 @@ class Actor:
                 ref = dict(zip(local, self._local_logprobs(model, [seqs[i] for i in local]), strict=True))
         old: dict[int, torch.Tensor] = {}
         if self.algo.old_logprobs == "recompute" and updates > 1:
-            old = dict(zip(local, self._local_logprobs(self.policy, [seqs[i] for i in local]), strict=True))
+            old = dict(zip(local, self._local_logprobs(self._trained_model(), [seqs[i] for i in local]),
+                           strict=True))
         return ref, old
 
     def update(self, seqs: list[Sequence], group_size: int) -> dict[str, float]:
@@ -359,6 +383,7 @@ class Actor:
         """
         minis = self._mini_batches(seqs, group_size)
         shares = [self._rank_share(seqs, idx) for idx in minis]
+        self._updates_this_step = 0
         t0 = time.perf_counter()
         ref, old = self._frozen_logprobs(seqs, sorted(i for s in shares for i in s), self.cfg.ppo_epochs * len(minis))
         t1 = time.perf_counter()
@@ -370,6 +395,7 @@ class Actor:
         lr = self.optimizer.param_groups[0]["lr"]  # the lr this step used
         self.scheduler.step()
         self.step += 1
+        self._updates_this_step = 0
         t2 = time.perf_counter()
         sums = sums.all_reduced(self.ctx, maxima=self.algo.correction is not None)
         metrics = self._metrics(sums, seqs, grad_norms, lr)
@@ -418,6 +444,7 @@ class Actor:
         """Forward/backward over this rank's micro-batches of one mini-batch (gradients accumulate), then one
         AdamW step; returns the gradient norm before clipping. `denom`: the mini-batch's loss denominator."""
         mbs = self._train_batches([seqs[i] for i in share])
+        model = self._trained_model()
         # FSDP runs collectives in every forward/backward: all ranks must make the same number of calls.
         # A rank with fewer packed micro-batches repeats its last one with weight 0.
         for k in range(all_reduce_max(len(mbs), self.ctx)):
@@ -425,14 +452,17 @@ class Actor:
             mb = mbs[min(k, len(mbs) - 1)].to(self.ctx.device)
             mb = mb.with_indices([share[j] for j in mb.indices])  # rows -> positions in `seqs`
             weight = self._loss_weight([seqs[i] for i in mb.indices], denom) if real else 0.0
-            logp, ent = self._forward(self.policy, mb, entropy=self.cfg.compute_entropy)  # [B, T]
+            logp, ent = self._forward(model, mb, entropy=self.cfg.compute_entropy)  # [B, T]
             loss, stats, mask = self._micro_loss(mb, logp, ref, old)
             (loss * weight).backward()
+            if self.compute is not None:
+                self.compute.move_grads_to_master()
             if real:
                 self._record(sums, mb, mask, logp, ent, loss, stats, weight)
         norm = self._clip_grad_norm()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self._updates_this_step += 1
         return norm
 
     def _train_batches(self, local: list[Sequence]) -> list[MicroBatch]:
@@ -524,7 +554,10 @@ class Actor:
         others iterate nothing. Tied weights appear once (e.g. lm_head tied to embed_tokens), as in the model's
         safetensors.
         """
-        if self.lora is None:
+        if self.compute is not None and dtype == torch.bfloat16:  # the bits the learner computes with
+            self._trained_model()
+            named = self.compute.named_tensors()
+        elif self.lora is None:
             named = full_tensors(self.policy, bucket_bytes=bucket_bytes, dtype=dtype)
         elif self.lora.merge_on_sync:  # full weights, base + (alpha / r) B A
             named = peft_lora.merged_tensors(self.policy, dtype=dtype)

@@ -245,6 +245,13 @@ class ActorConfig(StrictConfig):
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     """Autocast dtype of forwards and backwards (master weights and optimizer states stay fp32). bfloat16 is
     used where the device computes it (NPU, CUDA, CPU); float32 turns autocast off."""
+    bf16_weights: Literal["autocast", "published"] = "autocast"
+    """Where bfloat16 compute gets its bf16 weights. autocast: each op casts the fp32 master to nearest bf16
+    (torch.autocast), in every forward and backward. published: once per optimizer update the masters are rounded
+    stochastically into a bf16 copy of the model (as weights.rounding=stochastic publishes them); forwards and
+    backwards run on the copy, its gradients accumulate in fp32 on the masters, and the next publish sends the
+    copy's bits, so the learner computes with exactly the weights the samplers run (learner/compute_copy.py).
+    Needs model.dtype bfloat16; full fine-tuning on one device (not with LoRA or FSDP)."""
     gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations during backward: less memory, about 30% more compute."""
     compute_entropy: bool = True

@@ -267,6 +267,7 @@ def load_checkpoint(actor: Actor, path: str | Path) -> dict[str, Any]:
             if missing:
                 raise CheckpointError(f"{path} lacks {len(missing)} adapter weights, e.g. {missing[0]}")
         set_model_state_dict(actor.policy, sd, options=_load_options(actor))
+        actor.masters_loaded()
         del sd
     if "optimizer" in contents:
         osd = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=False) if ctx.is_main else {}

@@ -134,7 +134,7 @@ class Trainer:
         return Actor(
             model_path, lc.actor, lc.optim, lc.algorithm, total_steps=self.total_steps,
             max_response_length=lc.rollout.max_response_length, temperature=lc.rollout.temperature, ctx=self.ctx,
-            trust_remote_code=self.cfg.model.trust_remote_code, lora=lc.lora,
+            trust_remote_code=self.cfg.model.trust_remote_code, lora=lc.lora, seed=lc.trainer.seed,
         )
 
     def _resume(self) -> None:

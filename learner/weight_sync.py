@@ -41,6 +41,8 @@ class WeightSync:
         # Seeded by run seed and version, so a rerun publishes the same bits.
         gather_dtype, cast = publish_cast(getattr(torch, self.cfg.model.dtype), self.cfg.weights.rounding,
                                           seed=self.cfg.learner.trainer.seed * 1_000_003 + version)
+        if self.actor.compute is not None:  # bf16_weights=published: the copy's bits, rounded once already
+            gather_dtype, cast = torch.bfloat16, lambda t: t
         bucket_bytes = self.cfg.weights.gather_bucket_mb << 20
         # Full weights, or with LoRA the adapter (or, merge_on_sync, the merged weights).
         named = ((name, cast(t)) for name, t in self.actor.named_weights(gather_dtype, bucket_bytes))

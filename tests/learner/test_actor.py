@@ -8,9 +8,12 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from dgrpo.cli.stack import StackConfig
+from dgrpo.common.config import load_config
 from dgrpo.learner.actor import Actor, lr_factor
 from dgrpo.learner.actor_config import ActorConfig, AlgorithmConfig, OptimConfig
 from dgrpo.learner.batch import Sequence, collate, collate_shared_prompts, split_by_tokens, split_groups_by_tokens
+from dgrpo.learner.compute_copy import ComputeCopy
 
 
 def make_seqs(n: int = 8, seed: int = 0, groups: bool = False) -> list[Sequence]:
@@ -319,3 +322,89 @@ def test_a_completion_without_a_reward_leaves_no_trace_in_the_update(tiny_model,
     assert update(short, in_loss=False) == pytest.approx(update(long, in_loss=False), rel=1e-5)
     # Counted in, it is in the denominator (its tokens for token-mean, one more sequence for the seq-means).
     assert update(long, in_loss=True) != pytest.approx(update(long, in_loss=False), rel=1e-3)
+
+
+# ---- bf16_weights=published (learner/compute_copy.py): the learner computes with the bits it publishes ----
+
+PUBLISHED = {"dtype": "bfloat16", "bf16_weights": "published", **SHARED}
+
+
+def neighbours(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The bf16 bit patterns (as int32 << 16) either side of each fp32 value: truncated toward zero, and one up."""
+    low = master.reshape(-1).view(torch.int32) & ~0xFFFF
+    return low, low + 0x10000
+
+
+def test_the_learner_computes_with_the_bits_it_publishes(tiny_model):
+    actor = make_actor(tiny_model, actor={**PUBLISHED, "ppo_mini_batch_size": 1}, seed=3)
+    seqs = make_seqs(8, groups=True)
+    before = params(actor)
+    metrics = actor.update(seqs, group_size=4)  # 2 mini-batches: two optimizer updates, two roundings
+    assert metrics["actor/updates"] == 2.0
+    after = params(actor)
+    assert all(p.dtype == torch.float32 for p in after.values())  # masters stay fp32
+    assert any(not torch.equal(before[n], after[n]) for n in after)
+
+    published = dict(actor.named_weights(torch.bfloat16))
+    assert set(published) == {n for n in after if n != "lm_head.weight"}  # tied: once, as a full publish
+    rounded_up = total = 0
+    for name, bits in published.items():
+        assert bits.dtype == torch.bfloat16
+        got = bits.reshape(-1).view(torch.int16).to(torch.int32) << 16
+        down, up = neighbours(after[name])
+        assert torch.all((got == down) | (got == up)), f"{name} is not a rounding of its master"
+        inexact = down != after[name].reshape(-1).view(torch.int32)
+        rounded_up += int(((got == up) & inexact).sum())
+        total += int(inexact.sum())
+    assert 0.2 < rounded_up / total < 0.8, "stochastic rounding goes up about as often as its remainders say"
+
+    # The learner's logprobs are a plain bf16 forward's with exactly those weights.
+    copy = actor.compute.model
+    for name, p in copy.named_parameters():
+        assert torch.equal(p, published[name if name in published else "model.embed_tokens.weight"])
+    got = actor.compute_logprobs(seqs[:4])
+    for s, lp in zip(seqs[:4], got, strict=True):
+        ids = torch.tensor([s.prompt_ids + s.completion_ids])
+        with torch.no_grad():
+            logits = copy(input_ids=ids).logits[0].float()
+        p = len(s.prompt_ids)
+        want = torch.log_softmax(logits[p - 1 : -1], -1).gather(-1, torch.tensor(s.completion_ids)[:, None])[:, 0]
+        torch.testing.assert_close(lp, want, atol=2e-2, rtol=0)  # bf16: packed vs plain summation order
+
+
+def test_the_rounding_repeats_for_the_same_seed_step_and_update_and_follows_a_loaded_checkpoint(tiny_model):
+    actor = make_actor(tiny_model, actor=PUBLISHED, seed=3)
+    actor.update(make_seqs(8, groups=True), group_size=4)
+    first = {n: t.clone() for n, t in actor.named_weights(torch.bfloat16)}
+    again = ComputeCopy(actor.policy, seed=3)  # a resumed run: same masters, seed, step
+    again.refresh(actor.step, 0)
+    assert all(torch.equal(first[n], t) for n, t in again.named_tensors())
+    other = ComputeCopy(actor.policy, seed=4)
+    other.refresh(actor.step, 0)
+    assert any(not torch.equal(first[n], t) for n, t in other.named_tensors())
+    # Masters replaced from outside an update (a checkpoint): the copy follows at its next use.
+    with torch.no_grad():
+        for p in actor.policy.parameters():
+            p.zero_()
+    actor.masters_loaded()
+    assert all(int(t.count_nonzero()) == 0 for _, t in actor.named_weights(torch.bfloat16))
+
+
+def test_gradients_reach_the_fp32_masters_in_the_advantage_direction(tiny_model):
+    seqs = make_seqs(8, groups=True)
+    actor = make_actor(tiny_model, actor={**PUBLISHED, "max_tokens_per_micro_batch": 16}, optim={"lr": 1e-3})
+    start = actor.compute_logprobs(seqs)
+    metrics = actor.update(seqs, group_size=4)
+    assert metrics["actor/grad_norm"] > 0
+    end = actor.compute_logprobs(seqs)
+    moved = [float((e - s).mean()) * s_.advantage for s, e, s_ in zip(start, end, seqs, strict=True)]
+    assert sum(moved) > 0, "positive-advantage completions became likelier, negative ones less likely"
+
+
+def test_published_bf16_weights_need_a_bf16_publish_and_full_weights(tiny_model):
+    with pytest.raises(ValueError, match="model.dtype is float32"):
+        load_config(StackConfig, None, ["learner.actor.dtype=bfloat16", "learner.actor.bf16_weights=published",
+                                        "model.dtype=float32"]).learner_run()
+    with pytest.raises(ValueError, match="with learner.lora use bf16_weights=autocast"):
+        load_config(StackConfig, None, ["learner.actor.bf16_weights=published", "learner.lora.rank=8"]).learner_run()
+    load_config(StackConfig, None, ["learner.actor.bf16_weights=published"]).learner_run()  # bf16 is the default
