@@ -11,6 +11,7 @@ the same global batch whatever the split (tested with 2 gloo processes).
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Iterator
@@ -39,6 +40,8 @@ from dgrpo.learner.distributed import (
 from dgrpo.weights.gather import DEFAULT_BUCKET_BYTES, full_tensors
 from dgrpo.weights.gather import layout as full_layout
 from dgrpo.weights.lora import LoraConfig
+
+log = logging.getLogger("dgrpo.learner")
 
 TOKEN_MEANS = (
     "clip_frac_low", "clip_frac_high", "clip_frac_dual", "ratio", "kl", "entropy", "sampler_logp_diff",
@@ -179,10 +182,11 @@ class Actor:
         """bf16_weights=published: the bf16 copy forwards and backwards run on (learner/compute_copy.py)."""
         self._updates_this_step = 0
         if cfg.dtype == "bfloat16" and cfg.bf16_weights == "published":
-            if self.lora is not None or self.ctx.distributed:
-                raise ValueError("learner.actor.bf16_weights=published trains full weights on one device: use "
-                                 "autocast with learner.lora or under torchrun")
-            self.compute = ComputeCopy(self.policy, seed)
+            if self.lora is None and not self.ctx.distributed:
+                self.compute = ComputeCopy(self.policy, seed)
+            else:  # the LoRA base is stored in bf16 already; FSDP shards would each need their own copy
+                log.info("learner.actor.bf16_weights=published applies to full fine-tuning on one device: %s "
+                         "computes under autocast", "LoRA" if self.lora is not None else "FSDP")
         self.reference = None
         if algorithm.beta > 0 and self.lora is None:  # LoRA: the reference is the policy without its adapter
             self.reference = load_causal_lm(model_path, self.ctx.device, trust_remote_code, attention).eval()

@@ -251,7 +251,8 @@ class ActorConfig(StrictConfig):
     stochastically into a bf16 copy of the model (as weights.rounding=stochastic publishes them); forwards and
     backwards run on the copy, its gradients accumulate in fp32 on the masters, and the next publish sends the
     copy's bits, so the learner computes with exactly the weights the samplers run (learner/compute_copy.py).
-    Needs model.dtype bfloat16; full fine-tuning on one device (not with LoRA or FSDP)."""
+    Needs model.dtype bfloat16. Full fine-tuning on one device: with learner.lora (whose frozen base is stored in
+    bf16 already) or under torchrun the learner computes under autocast."""
     gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations during backward: less memory, about 30% more compute."""
     compute_entropy: bool = True

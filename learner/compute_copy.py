@@ -40,10 +40,10 @@ class ComputeCopy:
         if self._rounded_for == (step, update):
             return
         generator = torch.Generator().manual_seed((self.seed * 1_000_003 + step) * 1_009 + update)
-        pool = draw_pool(generator)
+        pool = draw_pool(generator).to(self.pairs[0][0].device)  # rounded where the masters live
         with torch.no_grad():
             for master, low in self.pairs:
-                low.copy_(stochastic_bf16(master.detach().cpu(), generator, pool).to(low.device))
+                low.copy_(stochastic_bf16(master.detach(), generator, pool))
         self._rounded_for = (step, update)
 
     def invalidate(self) -> None:

@@ -14,6 +14,7 @@ from dgrpo.learner.actor import Actor, lr_factor
 from dgrpo.learner.actor_config import ActorConfig, AlgorithmConfig, OptimConfig
 from dgrpo.learner.batch import Sequence, collate, collate_shared_prompts, split_by_tokens, split_groups_by_tokens
 from dgrpo.learner.compute_copy import ComputeCopy
+from dgrpo.weights.lora import LoraConfig
 
 
 def make_seqs(n: int = 8, seed: int = 0, groups: bool = False) -> list[Sequence]:
@@ -405,6 +406,7 @@ def test_published_bf16_weights_need_a_bf16_publish_and_full_weights(tiny_model)
     with pytest.raises(ValueError, match="model.dtype is float32"):
         load_config(StackConfig, None, ["learner.actor.dtype=bfloat16", "learner.actor.bf16_weights=published",
                                         "model.dtype=float32"]).learner_run()
-    with pytest.raises(ValueError, match="with learner.lora use bf16_weights=autocast"):
-        load_config(StackConfig, None, ["learner.actor.bf16_weights=published", "learner.lora.rank=8"]).learner_run()
     load_config(StackConfig, None, ["learner.actor.bf16_weights=published"]).learner_run()  # bf16 is the default
+    # LoRA's frozen base is stored in bf16 already: the adapter computes under autocast.
+    lora = make_actor(tiny_model, actor=PUBLISHED, lora=LoraConfig(rank=4, alpha=8))
+    assert lora.compute is None and lora.update(make_seqs(8, groups=True), group_size=4)["actor/grad_norm"] > 0
