@@ -559,8 +559,7 @@ class Actor:
         safetensors.
         """
         if self.compute is not None and dtype == torch.bfloat16:  # the bits the learner computes with
-            self._trained_model()
-            named = self.compute.named_tensors()
+            named = full_tensors(self._trained_model(), bucket_bytes=bucket_bytes, dtype=dtype)
         elif self.lora is None:
             named = full_tensors(self.policy, bucket_bytes=bucket_bytes, dtype=dtype)
         elif self.lora.merge_on_sync:  # full weights, base + (alpha / r) B A

@@ -15,7 +15,6 @@ copy rounded stochastically instead of to nearest.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
 
 import torch
 
@@ -59,11 +58,3 @@ class ComputeCopy:
             grad = low.grad.to(torch.float32)
             master.grad = grad if master.grad is None else master.grad.add_(grad)
             low.grad = None
-
-    def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, bf16 tensor on CPU) of every parameter of the copy, tied ones once: what a publish sends."""
-        seen: set[int] = set()
-        for name, p in self.model.named_parameters():
-            if id(p) not in seen:
-                seen.add(id(p))
-                yield name, p.detach().cpu()
