@@ -60,16 +60,18 @@ def _stack(folder: Path, *overrides: str) -> StackConfig:
     return load_config(StackConfig, ROOT / "configs" / "cpu-demo.yaml", [f"model.path={folder}", *overrides])
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_learner_terms_match_the_real_actors_tensors(tmp_path, dtype):
+@pytest.mark.parametrize(("dtype", "bf16_weights"),
+                         [("float32", "autocast"), ("bfloat16", "autocast"), ("bfloat16", "published")])
+def test_learner_terms_match_the_real_actors_tensors(tmp_path, dtype, bf16_weights):
     """Weights and AdamW states exactly; activations + logits within 15% of what autograd really saves for one
     packed micro-batch at the config's longest lengths (the bytes benchmarks/bench_plan.py sees on the big model)."""
     from dgrpo.learner.actor import Actor
     from dgrpo.learner.batch import Sequence
 
     folder = llama_folder(tmp_path)
-    cfg = _stack(folder, f"learner.actor.dtype={dtype}", "learner.actor.max_tokens_per_micro_batch=1024",
-                 "learner.data.train_batch_size=2", "learner.actor.ppo_mini_batch_size=2")
+    cfg = _stack(folder, f"learner.actor.dtype={dtype}", f"learner.actor.bf16_weights={bf16_weights}",
+                 "learner.actor.max_tokens_per_micro_batch=1024", "learner.data.train_batch_size=2",
+                 "learner.actor.ppo_mini_batch_size=2")
     lc = cfg.learner
     p, r, n = lc.data.max_prompt_length, lc.rollout.max_response_length, lc.rollout.n
     actor = Actor(folder, lc.actor, lc.optim, lc.algorithm, total_steps=2, max_response_length=r)
@@ -90,7 +92,7 @@ def test_learner_terms_match_the_real_actors_tensors(tmp_path, dtype):
 
     mb = actor._train_batches(seqs)[0]
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        actor._forward(actor.policy, mb)
+        actor._forward(actor._trained_model(), mb)
     actor.update(seqs, n)
     terms = {t.name: t.bytes for t in plan.learner_terms(plan.read_shape(folder), cfg, 1, "cpu")}
     assert mb.input_ids.numel() == plan.micro_batch_tokens(cfg)[0]
@@ -99,8 +101,15 @@ def test_learner_terms_match_the_real_actors_tensors(tmp_path, dtype):
     assert terms["weights fp32"] == params and terms["gradients fp32"] == params and terms["AdamW moments fp32"] == adam
     ratio = sum(saved.values()) / (terms["activations"] + terms["logits"])
     assert 0.85 < ratio < 1.15, ratio
-    if dtype == "bfloat16":
+    if bf16_weights == "published":  # the copy's own parameters are what backward keeps: no per-op casts
+        copy = sum(q.numel() * q.element_size() for q in actor._trained_model().parameters())
+        assert terms["bf16 compute copy"] == copy == terms["bf16 copy gradients"]
+        assert "autocast bf16 weights" not in terms and sum(casts.values()) <= copy
+        fsdp = {t.name for t in plan.learner_terms(plan.read_shape(folder), cfg, 2, "cpu")}
+        assert "autocast bf16 weights" in fsdp and "bf16 compute copy" not in fsdp  # torchrun: autocast, no copy
+    elif dtype == "bfloat16":
         assert 0.85 < sum(casts.values()) / terms["autocast bf16 weights"] <= 1.0 + 1e-9
+        assert "bf16 compute copy" not in terms
     else:
         assert "autocast bf16 weights" not in terms and not casts
 
