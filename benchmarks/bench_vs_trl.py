@@ -15,8 +15,10 @@ Sides (run one after the other; --sides picks them and their order):
 
 Same on every side: the bundled SmolLM2-135M-Instruct, the bundled demo task (dgrpo.cli.tasks, seed 0), prompts
 per step, group size, max new tokens, learning rate, temperature 1, KL beta 0, group-normalised advantages,
-token-mean loss, one optimizer update per step, fp32 training compute, the math-verify reward on the `answer`
-column, and (the vLLM sides) per-token truncated importance weights min(r, 2) for the sampler-learner mismatch.
+token-mean loss, one optimizer update per step, the math-verify reward on the `answer` column, and (the vLLM
+sides) per-token truncated importance weights min(r, 2) for the sampler-learner mismatch.
+Training compute: TRL's in fp32 (its CPU default), dgrpo's as configs/cpu-demo.yaml sets it (`learner.actor.dtype:
+auto`: bf16 on CPUs with bf16 instructions, fp32 on others; each side's notes say which ran).
 TRL runs in its own virtual environment (benchmarks/trl_side.py), which says which vLLM and which patches ran.
 """
 
@@ -26,6 +28,7 @@ import argparse
 import json
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -123,10 +126,11 @@ def dgrpo_overrides(settings: Settings, train_file: Path, run_dir: Path) -> list
     p, g = settings.prompts_per_step, settings.group_size
     return [
         "sampler.enforce_eager=true", "sampler.max_model_len=512", "sampler.kv_cache_space_gib=1",
-        # The learner computes in fp32 (TRL's CPU numerics); the sampler runs bf16 weights, stochastically rounded
-        # (weights.rounding), and the sampler/learner mismatch is importance-corrected (tis_cap).
+        # The learner computes as the demo does (learner.actor.dtype auto: bf16 on the published copy where the CPU
+        # has bf16 instructions, fp32 elsewhere, as TRL on CPU); the sampler runs bf16 weights, stochastically
+        # rounded (weights.rounding), and the sampler/learner mismatch is importance-corrected (tis_cap).
         "sampler.cpu_cores=all", "model.dtype=bfloat16", "weights.rounding=stochastic",
-        "learner.actor.dtype=float32", "learner.algorithm.tis_cap=2.0",
+        "learner.algorithm.tis_cap=2.0",
         f"learner.data.train_files=[{train_file}]", f"learner.data.train_batch_size={p}",
         f"learner.data.seed={settings.seed}", "learner.data.max_prompt_length=128",
         f"learner.rollout.n={g}", f"learner.rollout.max_response_length={settings.max_new_tokens}",
@@ -209,6 +213,8 @@ def _read_metrics(settings: Settings, run_dir: Path, side: str, name: str, extra
     """The learner's metrics.jsonl (one object per step)."""
     steps = [json.loads(line) for line in (run_dir / "bench_vs_trl" / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in steps if "reward/mean" in m]
+    chosen = [m.group(1) for log in run_dir.rglob("*.log")
+              for m in re.finditer(r"learner.actor.dtype auto: (\w+) compute", log.read_text(errors="replace"))]
     return SideResult(
         name=name + (f" {' '.join(extra)}" if extra else ""), side=side,
         step_s=[m["time/step_s"] for m in steps], reward_mean=[m["reward/mean"] for m in steps],
@@ -218,7 +224,7 @@ def _read_metrics(settings: Settings, run_dir: Path, side: str, name: str, extra
         notes="median per phase: " + ", ".join(
             f"{k.split('/')[1]} {statistics.median(m[k] for m in steps):.1f} s"
             for k in ("time/generate_s", "time/reward_s", "time/logprob_s", "time/train_s", "time/weight_sync_s")
-            if k in steps[0]),
+            if k in steps[0]) + (f"; learner compute {chosen[0]} (dtype auto)" if chosen else ""),
     )
 
 

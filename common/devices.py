@@ -97,6 +97,37 @@ def fp32_attention_backward(device: str) -> bool:
     return device == "cpu"
 
 
+CPU_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+"""/proc/cpuinfo flags of CPUs with bf16 matrix instructions (Intel AMX since Sapphire Rapids, AVX512-BF16 since
+Cooper Lake / AMD Zen 4): oneDNN runs bf16 matmuls natively there and emulates them elsewhere."""
+
+
+def cpu_flags(path: str = "/proc/cpuinfo") -> set[str]:
+    """The first CPU's feature flags (empty where /proc/cpuinfo cannot be read)."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def computes_bf16(device: str, flags: set[str] | None = None) -> bool:
+    """Whether bf16 compute is the faster choice for the learner (learner.actor.dtype `auto`). NPUs and CUDA GPUs
+    since Ampere compute bf16 natively. On CPUs it pays only with bf16 instructions: one demo update ran 1.5x
+    faster in bf16 than fp32 on a Xeon with AMX-BF16, and 2.7x slower on a Xeon with AVX-512 but no BF16
+    (docs/bench_vs_trl.md)."""
+    if device == "cpu":
+        return bool(set(CPU_BF16_FLAGS) & (cpu_flags() if flags is None else flags))
+    if device == "cuda":
+        import torch
+
+        return not torch.cuda.is_available() or torch.cuda.is_bf16_supported()
+    return True
+
+
 def lora_merges_on_sync(device: str) -> bool:
     """learner.lora.merge_on_sync `auto`: publish merged full weights instead of the adapter where vLLM serves LoRA
     slowly. vLLM-CPU turns compilation off with LoRA and runs its LoRA kernels as plain torch ops: the demo samples

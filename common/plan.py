@@ -183,7 +183,7 @@ def learner_terms(m: ModelShape, cfg: Any, ranks: int, device: str, tokens: int 
     """Per-rank bytes of the learner. Weights, gradients and AdamW's two moments are fp32 (master weights:
     4 + 4 + 8 = 16 bytes per parameter, ZeRO's K=12 plus fp32 gradients; Rajbhandari et al. 2020), sharded over
     the ranks by FSDP2 (ZeRO-3)."""
-    a, P, W = cfg.learner.actor, m.params, ranks
+    a, P, W = cfg.learner.actor.on_device(device), m.params, ranks  # dtype auto: as decided on this host's kind
     if tokens is None:
         tokens, kept = micro_batch_tokens(cfg)
     else:

@@ -159,8 +159,13 @@ class Actor:
         the stochastic rounding of bf16_weights=published."""
         if temperature <= 0:
             raise ValueError(f"temperature={temperature}: logprobs of greedy (0) sampling cannot be trained on")
-        self.cfg, self.optim_cfg, self.algo = cfg, optim, algorithm
         self.ctx = ctx or DistContext()
+        if cfg.dtype == "auto":
+            cfg = cfg.on_device(self.ctx.device.type)
+            if self.ctx.rank == 0:
+                log.info("learner.actor.dtype auto: %s compute on this %s (common/devices.py computes_bf16)",
+                         cfg.dtype, self.ctx.device.type)
+        self.cfg, self.optim_cfg, self.algo = cfg, optim, algorithm
         self.total_steps, self.max_response_length, self.temperature = total_steps, max_response_length, temperature
         self.model_path = Path(model_path)
         self.lora = lora.on_device(self.ctx.device.type) if lora is not None and lora.enabled else None

@@ -13,6 +13,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from dgrpo.common import devices
 from dgrpo.common.config import StrictConfig
 from dgrpo.learner.dapo import FilterGroupsConfig, OverlongBufferConfig
 
@@ -242,9 +243,11 @@ class ActorConfig(StrictConfig):
     """Token budget of the packed no-grad forwards (reference and old-policy logprobs), which keep no
     activations for backward and can take more. Null: 2x max_tokens_per_micro_batch. (Padded no-grad
     forwards take 2x micro_batch_size_per_device sequences.)"""
-    dtype: Literal["bfloat16", "float32"] = "bfloat16"
-    """Autocast dtype of forwards and backwards (master weights and optimizer states stay fp32). bfloat16 is
-    used where the device computes it (NPU, CUDA, CPU); float32 turns autocast off."""
+    dtype: Literal["auto", "bfloat16", "float32"] = "bfloat16"
+    """Compute dtype of forwards and backwards (master weights and optimizer states stay fp32). bfloat16 runs on
+    every device, and is faster where it computes bf16 natively; float32 computes in fp32. auto: bfloat16 on NPUs,
+    CUDA GPUs with bf16 and CPUs with AMX-BF16 or AVX512-BF16 instructions, float32 on other CPUs (where bf16 matmuls
+    are emulated: 2.7x slower; common/devices.py computes_bf16). The learner logs what auto chose."""
     bf16_weights: Literal["autocast", "published"] = "autocast"
     """Where bfloat16 compute gets its bf16 weights. autocast: each op casts the fp32 master to nearest bf16
     (torch.autocast), in every forward and backward. published: once per optimizer update the masters are rounded
@@ -263,6 +266,12 @@ class ActorConfig(StrictConfig):
     fsdp_reshard_after_forward: bool = True
     """FSDP2: free the gathered parameters after forward (ZeRO-3, least memory) or keep them until backward
     (ZeRO-2, less communication)."""
+
+    def on_device(self, device: str) -> ActorConfig:
+        """This config with dtype `auto` decided for the device the learner computes on."""
+        if self.dtype != "auto":
+            return self
+        return self.model_copy(update={"dtype": "bfloat16" if devices.computes_bf16(device) else "float32"})
 
 
 class CheckpointConfig(StrictConfig):

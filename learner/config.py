@@ -154,9 +154,10 @@ class LearnerRunConfig(StrictConfig):
     @model_validator(mode="after")
     def _check_published_bf16(self) -> LearnerRunConfig:
         actor = self.learner.actor
-        if actor.dtype == "bfloat16" and actor.bf16_weights == "published" and self.model.dtype != "bfloat16":
-            raise ValueError(f"learner.actor.bf16_weights=published computes with the bf16 weights it publishes: "
-                             f"model.dtype is {self.model.dtype}, set it to bfloat16 (or bf16_weights=autocast)")
+        if actor.dtype != "float32" and actor.bf16_weights == "published" and self.model.dtype != "bfloat16":
+            raise ValueError(f"learner.actor.bf16_weights=published computes with the bf16 weights it publishes "
+                             f"(learner.actor.dtype {actor.dtype}): model.dtype is {self.model.dtype}, set it to "
+                             f"bfloat16 (or bf16_weights=autocast)")
         return self
 
     def stack_yaml(self) -> str:

@@ -120,3 +120,11 @@ def test_a_cpu_learner_runs_on_tcmalloc_where_the_system_has_it(monkeypatch, tmp
     assert devices.host_allocator_env("cuda", {}) == {} and devices.host_allocator_env("npu", {}) == {}
     monkeypatch.setattr(devices, "TCMALLOC_GLOBS", (str(tmp_path / "none.so"),))
     assert devices.host_allocator_env("cpu", {}) == {}
+
+
+def test_cpu_flags_come_from_proc_cpuinfo(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f amx_bf16\n\nprocessor\t: 1\nflags\t\t: fpu\n")
+    assert devices.cpu_flags(str(info)) == {"fpu", "avx2", "avx512f", "amx_bf16"}
+    assert devices.cpu_flags(str(tmp_path / "missing")) == set()
+    assert devices.computes_bf16("cpu", {"avx512_bf16"}) and not devices.computes_bf16("cpu", {"avx512f", "avx2"})

@@ -411,3 +411,22 @@ def test_published_bf16_weights_need_a_bf16_publish_and_full_weights(tiny_model)
     # LoRA's frozen base is stored in bf16 already: the adapter computes under autocast.
     lora = make_actor(tiny_model, actor=PUBLISHED, lora=LoraConfig(rank=4, alpha=8))
     assert lora.compute is None and lora.update(make_seqs(8, groups=True), group_size=4)["actor/grad_norm"] > 0
+
+
+def test_auto_compute_dtype_follows_the_cpus_bf16_instructions(tiny_model, monkeypatch):
+    from dgrpo.common import devices
+
+    native = devices.computes_bf16("cpu")  # this host's own answer, from /proc/cpuinfo
+    auto = make_actor(tiny_model, actor={**PUBLISHED, "dtype": "auto"})
+    assert auto.cfg.dtype == ("bfloat16" if native else "float32")
+    assert (auto.compute is not None) == native  # the published bf16 copy only where bf16 is computed natively
+    assert auto.update(make_seqs(8, groups=True), group_size=4)["actor/grad_norm"] > 0
+    for flags, chosen in (({"avx512f", "avx512_bf16"}, "bfloat16"), ({"amx_bf16", "amx_tile"}, "bfloat16"),
+                          ({"avx2", "avx512f", "avx512_vnni"}, "float32"), (set(), "float32")):
+        monkeypatch.setattr(devices, "cpu_flags", lambda flags=flags: flags)
+        assert ActorConfig(dtype="auto").on_device("cpu").dtype == chosen
+        assert ActorConfig(dtype="float32").on_device("cpu").dtype == "float32"  # only auto is decided
+    assert ActorConfig(dtype="auto").on_device("npu").dtype == "bfloat16"
+    with pytest.raises(ValueError, match=r"\(learner.actor.dtype auto\): model.dtype is float32"):
+        load_config(StackConfig, None, ["learner.actor.dtype=auto", "learner.actor.bf16_weights=published",
+                                        "model.dtype=float32"]).learner_run()
