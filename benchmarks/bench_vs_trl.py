@@ -17,8 +17,9 @@ Same on every side: the bundled SmolLM2-135M-Instruct, the bundled demo task (dg
 per step, group size, max new tokens, learning rate, temperature 1, KL beta 0, group-normalised advantages,
 token-mean loss, one optimizer update per step, the math-verify reward on the `answer` column, and (the vLLM
 sides) per-token truncated importance weights min(r, 2) for the sampler-learner mismatch.
-Training compute: TRL's in fp32 (its CPU default), dgrpo's as configs/cpu-demo.yaml sets it (`learner.actor.dtype:
-auto`: bf16 on CPUs with bf16 instructions, fp32 on others; each side's notes say which ran).
+Precision: TRL trains in fp32 (its CPU default) and its vLLM sides sample in bf16 (the model's dtype); dgrpo runs
+configs/cpu-demo.yaml's `auto` (bf16 sampling and compute on CPUs with bf16 instructions, fp32 on others; each
+dgrpo side's notes say which ran).
 TRL runs in its own virtual environment (benchmarks/trl_side.py), which says which vLLM and which patches ran.
 """
 
@@ -34,6 +35,8 @@ import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+import yaml
 
 HERE = Path(__file__).resolve().parent
 CONFIG = HERE.parent / "configs" / "cpu-demo.yaml"
@@ -126,11 +129,10 @@ def dgrpo_overrides(settings: Settings, train_file: Path, run_dir: Path) -> list
     p, g = settings.prompts_per_step, settings.group_size
     return [
         "sampler.enforce_eager=true", "sampler.max_model_len=512", "sampler.kv_cache_space_gib=1",
-        # The learner computes as the demo does (learner.actor.dtype auto: bf16 on the published copy where the CPU
-        # has bf16 instructions, fp32 elsewhere, as TRL on CPU); the sampler runs bf16 weights, stochastically
-        # rounded (weights.rounding), and the sampler/learner mismatch is importance-corrected (tis_cap).
-        "sampler.cpu_cores=all", "model.dtype=bfloat16", "weights.rounding=stochastic",
-        "learner.algorithm.tis_cap=2.0",
+        # Precision as the demo's (model.dtype and learner.actor.dtype auto): on CPUs with bf16 instructions the
+        # sampler runs bf16 weights, stochastically rounded (weights.rounding), and the learner computes on them;
+        # elsewhere both run fp32. What mismatch remains is importance-corrected (tis_cap).
+        "sampler.cpu_cores=all", "weights.rounding=stochastic", "learner.algorithm.tis_cap=2.0",
         f"learner.data.train_files=[{train_file}]", f"learner.data.train_batch_size={p}",
         f"learner.data.seed={settings.seed}", "learner.data.max_prompt_length=128",
         f"learner.rollout.n={g}", f"learner.rollout.max_response_length={settings.max_new_tokens}",
@@ -215,6 +217,8 @@ def _read_metrics(settings: Settings, run_dir: Path, side: str, name: str, extra
     steps = [m for m in steps if "reward/mean" in m]
     chosen = [m.group(1) for log in run_dir.rglob("*.log")
               for m in re.finditer(r"learner.actor.dtype auto: (\w+) compute", log.read_text(errors="replace"))]
+    config = yaml.safe_load((run_dir / "bench_vs_trl" / "config.yaml").read_text()) \
+        if (run_dir / "bench_vs_trl" / "config.yaml").exists() else {}
     return SideResult(
         name=name + (f" {' '.join(extra)}" if extra else ""), side=side,
         step_s=[m["time/step_s"] for m in steps], reward_mean=[m["reward/mean"] for m in steps],
@@ -224,7 +228,8 @@ def _read_metrics(settings: Settings, run_dir: Path, side: str, name: str, extra
         notes="median per phase: " + ", ".join(
             f"{k.split('/')[1]} {statistics.median(m[k] for m in steps):.1f} s"
             for k in ("time/generate_s", "time/reward_s", "time/logprob_s", "time/train_s", "time/weight_sync_s")
-            if k in steps[0]) + (f"; learner compute {chosen[0]} (dtype auto)" if chosen else ""),
+            if k in steps[0]) + (f"; learner compute {chosen[0]} (dtype auto)" if chosen else "")
+        + (f"; sampler weights {config['model']['dtype']}" if config.get("model") else ""),
     )
 
 

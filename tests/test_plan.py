@@ -213,10 +213,11 @@ def test_lora_terms_match_the_real_peft_actor(tmp_path, dtype, targets):
     assert terms["LoRA adapter fp32"] == adapter == grads == terms["adapter gradients fp32"]
     assert terms["adapter AdamW moments fp32"] == adam
     assert not {"reference fp32", "weights fp32", "autocast bf16 weights"} & set(terms)
+    size = plan.DTYPE_BYTES[cfg.model.dtype]  # the demo's auto: bf16 or fp32, as this host computes
     stack = plan.plan_stack(cfg, device="cuda", device_bytes=80 * 2**30)
-    assert stack.shm.bytes == 2 * adapter // 2  # two bf16 slots of the adapter
+    assert stack.shm.bytes == 2 * adapter // 4 * size  # two slots of the adapter in model.dtype
     assert any(t.name == "LoRA slot" for t in stack.sampler.terms)
-    # merge_on_sync auto merges on CPU: full bf16 weights travel and vLLM runs without LoRA.
+    # merge_on_sync auto merges on CPU: full weights travel and vLLM runs without LoRA.
     stack = plan.plan_stack(cfg, device="cpu", device_bytes=None)
-    assert stack.shm.bytes == 2 * 2 * stack.model.params
+    assert stack.shm.bytes == 2 * size * stack.model.params
     assert not any(t.name == "LoRA slot" for t in stack.sampler.terms)

@@ -422,7 +422,10 @@ def _slot_bytes(variant: str, container: dict, tmp_path: Path) -> int:
     from dgrpo.common.config import load_config
 
     (tmp_path / "stack.yaml").write_text(config_data(variant))
-    cfg = load_config(StackConfig, tmp_path / "stack.yaml", expanded_args(container)[3:])
+    raw = yaml.safe_load(config_data(variant))
+    # model.dtype auto is decided on each node: size for the larger of its choices (fp32).
+    widest = ["model.dtype=float32"] if raw["model"]["dtype"] == "auto" else []
+    cfg = load_config(StackConfig, tmp_path / "stack.yaml", [*expanded_args(container)[3:], *widest])
     if cfg.model.path is None:
         shape = plan._bundled_shape()
     else:

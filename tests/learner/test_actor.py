@@ -421,12 +421,18 @@ def test_auto_compute_dtype_follows_the_cpus_bf16_instructions(tiny_model, monke
     assert auto.cfg.dtype == ("bfloat16" if native else "float32")
     assert (auto.compute is not None) == native  # the published bf16 copy only where bf16 is computed natively
     assert auto.update(make_seqs(8, groups=True), group_size=4)["actor/grad_norm"] > 0
+    demo = ["learner.actor.dtype=auto", "learner.actor.bf16_weights=published", "model.dtype=auto", "model.device=cpu"]
     for flags, chosen in (({"avx512f", "avx512_bf16"}, "bfloat16"), ({"amx_bf16", "amx_tile"}, "bfloat16"),
                           ({"avx2", "avx512f", "avx512_vnni"}, "float32"), (set(), "float32")):
         monkeypatch.setattr(devices, "cpu_flags", lambda flags=flags: flags)
         assert ActorConfig(dtype="auto").on_device("cpu").dtype == chosen
         assert ActorConfig(dtype="float32").on_device("cpu").dtype == "float32"  # only auto is decided
+        # model.dtype auto (the samplers' and the published weights') is decided alike when the config loads.
+        stack = load_config(StackConfig, None, demo)
+        assert stack.model.dtype == chosen and stack.learner_run().model.dtype == chosen
+        if chosen == "bfloat16":  # the published copy needs bf16 weights to publish
+            with pytest.raises(ValueError, match=r"\(learner.actor.dtype auto\): model.dtype is float32"):
+                load_config(StackConfig, None, [*demo, "model.dtype=float32"]).learner_run()
+        else:  # fp32 compute publishes fp32 weights: nothing to round
+            load_config(StackConfig, None, [*demo, "model.dtype=float32"]).learner_run()
     assert ActorConfig(dtype="auto").on_device("npu").dtype == "bfloat16"
-    with pytest.raises(ValueError, match=r"\(learner.actor.dtype auto\): model.dtype is float32"):
-        load_config(StackConfig, None, ["learner.actor.dtype=auto", "learner.actor.bf16_weights=published",
-                                        "model.dtype=float32"]).learner_run()
