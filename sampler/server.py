@@ -88,7 +88,7 @@ async def serve(model: ModelConfig, sampler: SamplerConfig, weights: WeightSyncC
     port = server.port
     replica_id = sampler.replica_id or f"{socket.gethostname()}:{port}"
     tracing.init(tracing_cfg or TracingConfig(), "sampler", instance=replica_id)
-    log.info("loading %s on %s (replica %s, port %d)", model_path, device, replica_id, port)
+    log.info("loading %s on %s in %s (replica %s, port %d)", model_path, device, model.dtype, replica_id, port)
 
     engine = SamplerEngine.create(model, sampler, model_path, device, lora)
     if multi_turn is not None and multi_turn.enable:
