@@ -436,3 +436,5 @@ def test_auto_compute_dtype_follows_the_cpus_bf16_instructions(tiny_model, monke
         else:  # fp32 compute publishes fp32 weights: nothing to round
             load_config(StackConfig, None, [*demo, "model.dtype=float32"]).learner_run()
     assert ActorConfig(dtype="auto").on_device("npu").dtype == "bfloat16"
+    # A named device is taken as named, so a plan for an NPU host loads on this one.
+    assert load_config(StackConfig, None, ["model.dtype=auto", "model.device=npu"]).model.dtype == "bfloat16"
