@@ -30,6 +30,7 @@ from dgrpo.common import preflight as pf
 from dgrpo.common import versions
 from dgrpo.common.config import ConfigError
 from dgrpo.common.devices import DIST_BACKENDS, VISIBLE_DEVICES_ENV, find_tcmalloc, preloaded_allocator, visible_devices
+from dgrpo.weights.shm import stale_bytes
 
 Status = Literal["OK", "WARN", "FAIL"]
 SERVICES = ("sampler", "rewarder", "learner")
@@ -412,15 +413,19 @@ def check_shm(service: str, cfg: Any, params: int | None) -> Finding | None:
     if not folder.is_dir():
         return Finding(service, "shm", "FAIL", f"weights.shm_dir={w.shm_dir!r} does not exist",
                        "mount a tmpfs there (docker: --shm-size / --ipc=host) or use weights.transport=tcp")
-    free = shutil.disk_usage(folder).free
+    # A killed learner's slots are still there when it restarts; the publisher reclaims them before it writes.
+    reclaimable = stale_bytes(folder)
+    free = shutil.disk_usage(folder).free + reclaimable
+    stale = f" (with {pf.fmt_bytes(reclaimable)} of dead processes' segments, reclaimed at start)" if reclaimable \
+        else ""
     if not params or service != "learner":
-        return Finding(service, "shm", "OK", f"{w.shm_dir}: {pf.fmt_bytes(free)} free")
+        return Finding(service, "shm", "OK", f"{w.shm_dir}: {pf.fmt_bytes(free)} free{stale}")
     need = 2 * params * pf._DTYPE_BYTES.get(cfg.model.dtype, 4)
     if free < need:
-        return Finding(service, "shm", "FAIL", f"{w.shm_dir} has {pf.fmt_bytes(free)} free; two weight slots of "
+        return Finding(service, "shm", "FAIL", f"{w.shm_dir} has {pf.fmt_bytes(free)} free{stale}; two weight slots of "
                        f"{params / 1e6:.0f}M parameters in {cfg.model.dtype} need {pf.fmt_bytes(need)}",
                        f"docker: shm_size >= {pf.fmt_bytes(need * 1.25)} (or --ipc=host); or weights.transport=tcp")
-    return Finding(service, "shm", "OK", f"{w.shm_dir}: {pf.fmt_bytes(free)} free, two slots need "
+    return Finding(service, "shm", "OK", f"{w.shm_dir}: {pf.fmt_bytes(free)} free{stale}, two slots need "
                    f"{pf.fmt_bytes(need)}")
 
 

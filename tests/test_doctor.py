@@ -4,6 +4,7 @@ CANN tree, sample smi output: the devices are mocked, nothing else), and the rea
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -165,6 +166,26 @@ def test_shm_too_small_for_two_slots_fails(tmp_path, monkeypatch):
     assert f.status == "FAIL" and "540 MB" in f.detail and "shm_size" in f.fix
     cfg = load_config(StackConfig, None, [f"weights.shm_dir={tmp_path / 'nope'}"])
     assert doctor.check_shm("learner", cfg, 135_000_000).status == "FAIL"
+
+
+def test_shm_counts_a_dead_learners_slots_as_free(tmp_path, monkeypatch):
+    """A killed learner's slots stay in /dev/shm until its restart reclaims them: the check must not refuse that
+    restart (compose restarts a learner into the /dev/shm its last run filled)."""
+    import subprocess
+
+    from dgrpo.weights.shm import pid_namespace
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    ns = pid_namespace()
+    (tmp_path / f"dgrpo-w-demo-{ns}-{dead.pid}-s0").write_bytes(b"\1" * 4_000_000)  # written pages count
+    (tmp_path / f"dgrpo-w-demo-{ns}-{os.getppid()}-s0").write_bytes(b"\1" * 4_000_000)  # a live process's: kept
+    cfg = load_config(StackConfig, None, [f"weights.shm_dir={tmp_path}", "model.dtype=bfloat16"])
+    real = doctor.shutil.disk_usage
+    monkeypatch.setattr(doctor.shutil, "disk_usage", lambda p: real(p)._replace(free=1_000_000))
+    ok = doctor.check_shm("learner", cfg, 1_000_000)  # two bf16 slots: 4 MB
+    assert ok.status == "OK" and "reclaimed at start" in ok.detail, ok
+    assert doctor.check_shm("learner", cfg, 2_000_000).status == "FAIL"  # 8 MB: the live segment is not counted
 
 
 def test_reach_probes_health_of_the_configured_addresses():

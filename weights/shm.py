@@ -48,12 +48,12 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def reclaim_stale(shm_dir: str | Path) -> list[str]:
-    """Remove dgrpo segments whose creating process is gone (a crashed or SIGKILLed run); return their names."""
-    removed = []
+def stale_segments(shm_dir: str | Path) -> list[Path]:
+    """dgrpo segments in shm_dir whose creating process (in our pid namespace) is gone: a crashed or killed run's."""
     folder = Path(shm_dir)
     if not folder.is_dir():
-        return removed
+        return []
+    stale = []
     for path in folder.iterdir():
         m = _NAME.match(path.name)
         if m is None:
@@ -61,6 +61,26 @@ def reclaim_stale(shm_dir: str | Path) -> list[str]:
         pid = int(m.group("pid"))
         if int(m.group("ns")) != pid_namespace() or pid == os.getpid() or pid_alive(pid):
             continue
+        stale.append(path)
+    return stale
+
+
+def stale_bytes(shm_dir: str | Path) -> int:
+    """Memory that reclaiming the stale segments frees (their written pages, not their apparent size)."""
+    total = 0
+    for path in stale_segments(shm_dir):
+        try:
+            total += path.stat().st_blocks * 512
+        except FileNotFoundError:
+            continue
+    return total
+
+
+def reclaim_stale(shm_dir: str | Path) -> list[str]:
+    """Remove dgrpo segments whose creating process is gone (a crashed or SIGKILLed run); return their names."""
+    removed = []
+    for path in stale_segments(shm_dir):
+        pid = int(_NAME.match(path.name).group("pid"))
         try:
             size = path.stat().st_size
             path.unlink()
