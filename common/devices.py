@@ -128,6 +128,12 @@ def computes_bf16(device: str, flags: set[str] | None = None) -> bool:
     return True
 
 
+def auto_dtype(device: str) -> str:
+    """What a dtype of `auto` means on `device` (auto: this host's): bfloat16 where it computes bf16 natively, else
+    float32. A named device is taken as named, so a config for another kind of host loads here too."""
+    return "bfloat16" if computes_bf16(detect_device() if device == "auto" else device) else "float32"
+
+
 def lora_merges_on_sync(device: str) -> bool:
     """learner.lora.merge_on_sync `auto`: publish merged full weights instead of the adapter where vLLM serves LoRA
     slowly. vLLM-CPU turns compilation off with LoRA and runs its LoRA kernels as plain torch ops: the demo samples

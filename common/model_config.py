@@ -31,7 +31,5 @@ class ModelConfig(StrictConfig):
     @classmethod
     def _decide_auto_dtype(cls, data: object) -> object:
         if isinstance(data, dict) and data.get("dtype") == "auto":
-            device = data.get("device", "auto")  # a named device is taken as named: plans for other hosts load too
-            device = devices.detect_device() if device == "auto" else device
-            data = {**data, "dtype": "bfloat16" if devices.computes_bf16(device) else "float32"}
+            data = {**data, "dtype": devices.auto_dtype(data.get("device", "auto"))}
         return data

@@ -268,10 +268,10 @@ class ActorConfig(StrictConfig):
     (ZeRO-2, less communication)."""
 
     def on_device(self, device: str) -> ActorConfig:
-        """This config with dtype `auto` decided for the device the learner computes on."""
+        """This config with dtype `auto` decided for the device the learner computes on (auto: this host's)."""
         if self.dtype != "auto":
             return self
-        return self.model_copy(update={"dtype": "bfloat16" if devices.computes_bf16(device) else "float32"})
+        return self.model_copy(update={"dtype": devices.auto_dtype(device)})
 
 
 class CheckpointConfig(StrictConfig):

@@ -16,7 +16,6 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, model_validator
 
-from dgrpo.common import devices
 from dgrpo.common.auth import AuthConfig
 from dgrpo.common.config import StrictConfig
 from dgrpo.common.model_config import ModelConfig
@@ -155,8 +154,7 @@ class LearnerRunConfig(StrictConfig):
     @model_validator(mode="after")
     def _check_published_bf16(self) -> LearnerRunConfig:
         actor = self.learner.actor
-        if actor.dtype == "auto":
-            actor = actor.on_device(devices.detect_device() if self.model.device == "auto" else self.model.device)
+        actor = actor.on_device(self.model.device)
         if actor.dtype == "bfloat16" and actor.bf16_weights == "published" and self.model.dtype != "bfloat16":
             raise ValueError(f"learner.actor.bf16_weights=published computes with the bf16 weights it publishes "
                              f"(learner.actor.dtype {self.learner.actor.dtype}): model.dtype is {self.model.dtype}, "
