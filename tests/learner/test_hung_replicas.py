@@ -122,19 +122,38 @@ async def connect(client: RolloutClient, *addresses: str) -> None:
         await client.info(address, 60.0, wait_for_ready=True)
 
 
-async def wait_running(client: RolloutClient, address: str) -> None:
+async def wait_running(client: RolloutClient, address: str, task: asyncio.Task, stats: RolloutStats) -> bool:
     """Until the replica's engine holds requests (bounded; an Info slower than 10 s on a loaded machine is asked
-    again, not a failure: this only waits for the fault's moment)."""
+    again, not a failure: this only waits for the fault's moment). False when the rollout went on without it first:
+    the batch finished, or the replica was marked unhealthy before any fault (e.g. its first call timed out on a
+    loaded machine, so the other replica took every prompt): the fault would then prove nothing."""
     deadline = time.monotonic() + 120
-    while True:
+    while not task.done() and address not in stats.unhealthy_replicas:
         try:
             if (await client.info(address, 10.0, wait_for_ready=True)).running_requests > 0:
-                return
+                return True
         except grpc.aio.AioRpcError as e:
             if e.code() not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
                 raise
-        assert time.monotonic() < deadline, f"{address} never received its prompts"
+        assert time.monotonic() < deadline, f"{address} never received its prompts: {stats}"
         await asyncio.sleep(0.02)
+    return False
+
+
+async def start_while_running(client: RolloutClient, address: str, tag: str) -> tuple[asyncio.Task, RolloutStats, str]:
+    """A LONG batch started and `address` holding part of it, the moment a fault can land. A batch the rollout
+    finished without that replica (see wait_running) is cancelled and started again under a new tag, three times at
+    most; returns the running task, its stats and its tag."""
+    for attempt in range(3):
+        stats, attempt_tag = RolloutStats(), f"{tag}{attempt}"
+        task = asyncio.create_task(collect(client, attempt_tag, 8, LONG, stats))
+        if await wait_running(client, address, task, stats):
+            return task, stats, attempt_tag
+        if task.done() and not task.cancelled() and task.exception() is not None:
+            raise task.exception()  # a failure of the rollout itself, not a batch that went on without the replica
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    pytest.fail(f"{address} was never given prompts in 3 batches (last: {stats})")
 
 
 def test_a_frozen_replica_gives_its_prompts_to_the_other_and_comes_back(samplers):
@@ -147,12 +166,11 @@ def test_a_frozen_replica_gives_its_prompts_to_the_other_and_comes_back(samplers
             # 1. b's whole process group frozen while it holds half of the step's prompts.
             pids = group_pids(b.proc.pid)
             await connect(client, a.address, b.address)
-            task = asyncio.create_task(collect(client, "one", 8, LONG))
-            await wait_running(client, b.address)
+            task, stats, tag = await start_while_running(client, b.address, "one")
             with frozen(pids):
                 groups, stats = await task
                 assert stopped(b.proc.pid), "b was resumed before the rollout finished: it proved nothing"
-                assert_each_once(groups, "one", 8)
+                assert_each_once(groups, tag, 8)
                 assert stats.unhealthy_replicas == {b.address} and stats.failed_calls + stats.stuck_calls >= 1
                 assert stats.retried_prompts >= 1 and stats.lost_wait_s > 0
                 assert stats.groups_by_replica["r1"] < 4 < stats.groups_by_replica["r0"]  # a took over b's share
@@ -198,11 +216,10 @@ def test_a_partitioned_replica_is_found_by_keepalive_and_used_again_once_reachab
         client = RolloutClient([a.address, b.address], cfg)
         try:
             await connect(client, a.address, b.address)
-            task = asyncio.create_task(collect(client, "cut", 8, LONG))
-            await wait_running(client, b.address)
+            task, stats, tag = await start_while_running(client, b.address, "cut")
             with partitioned(b.port):
                 groups, stats = await task
-                assert_each_once(groups, "cut", 8)
+                assert_each_once(groups, tag, 8)
                 assert stats.unhealthy_replicas == {b.address} and stats.failed_calls >= 1 and stats.stuck_calls == 0
             await wait_answering(client, b.address)
             groups, stats = await collect(client, "healed", 8, 16)
@@ -228,13 +245,12 @@ def test_an_engine_that_stops_stepping_is_found_by_the_progress_check(samplers):
         client = RolloutClient([a.address, b.address], cfg)
         try:
             await connect(client, a.address, b.address)
-            task = asyncio.create_task(collect(client, "eng", 8, LONG))
-            await wait_running(client, b.address)
+            task, stats, tag = await start_while_running(client, b.address, "eng")
             with frozen(engine):
                 groups, stats = await task
                 assert_all_stopped(engine)
                 assert (await client.info(b.address, 5.0)).replica_id == "r1"  # b's server itself answers
-            assert_each_once(groups, "eng", 8)
+            assert_each_once(groups, tag, 8)
             assert stats.stuck_calls >= 1 and stats.unhealthy_replicas == {b.address}
         finally:
             await client.close()
