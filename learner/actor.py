@@ -16,7 +16,7 @@ import math
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import torch
@@ -391,7 +391,13 @@ class Actor:
         Every rank passes the same list. Metrics are means over the step (tokens-weighted where per token).
         """
         minis = self._mini_batches(seqs, group_size)
-        shares = [self._rank_share(seqs, idx) for idx in minis]
+        seqs, trained, contributing = list(seqs), [], 0
+        for idx in minis:
+            kept, fillers = self._with_gradient(seqs, idx)
+            trained.append(kept + list(range(len(seqs), len(seqs) + len(fillers))))
+            seqs += fillers
+            contributing += len(kept)
+        shares = [self._rank_share(seqs, idx) for idx in trained]
         self._updates_this_step = 0
         t0 = time.perf_counter()
         ref, old = self._frozen_logprobs(seqs, sorted(i for s in shares for i in s), self.cfg.ppo_epochs * len(minis))
@@ -408,8 +414,29 @@ class Actor:
         t2 = time.perf_counter()
         sums = sums.all_reduced(self.ctx, maxima=self.algo.correction is not None)
         metrics = self._metrics(sums, seqs, grad_norms, lr)
-        metrics.update({"timing/logprob_s": t1 - t0, "timing/update_s": t2 - t1})
+        metrics.update({"timing/logprob_s": t1 - t0, "timing/update_s": t2 - t1,
+                        "actor/skipped_frac": 1.0 - contributing / sum(map(len, minis))})
         return metrics
+
+    def _with_gradient(self, seqs: list[Sequence], idx: list[int]) -> tuple[list[int], list[Sequence]]:
+        """The mini-batch `idx` less the sequences whose gradient is exactly zero (actor.skip_zero_advantage):
+        those with no loss token, and, with no KL in the loss (beta 0), those with advantage 0, every token's
+        PPO-clip term being -A x ratio = 0. The denominator still counts them, so the update is the one computing
+        them would give. Returns the kept indices and fillers: copies of skipped sequences taken out of the loss
+        (in_loss False: no loss token, no metric), topping the kept up to a multiple of the world size, at least
+        one per rank, so every rank has an equal share."""
+        if not self.cfg.skip_zero_advantage:
+            return idx, []
+        zero_advantage_is_zero_gradient = self.algo.beta == 0
+
+        def contributes(s: Sequence) -> bool:
+            return self._loss_tokens(s) > 0 and (s.advantage != 0.0 or not zero_advantage_is_zero_gradient)
+
+        kept = [i for i in idx if contributes(seqs[i])]
+        world = self.ctx.world_size
+        short = max(world, -(-len(kept) // world) * world) - len(kept)
+        skipped = [i for i in idx if i not in set(kept)]
+        return kept, [replace(seqs[i], in_loss=False) for i in skipped[:short]]
 
     def _metrics(self, sums: StepSums, seqs: list[Sequence], grad_norms: list[float], lr: float) -> dict[str, float]:
         """The step's metrics from the sums over all ranks (docs/actor.md lists them)."""

@@ -236,6 +236,12 @@ class ActorConfig(StrictConfig):
     attending to the prompt and itself, so the prompt is computed once per group instead of once per completion
     (same logits and gradients). Attention runs as one sdpa call per group block with that block's own mask
     (learner/attention.py): ~block^2 work instead of budget^2, and no [budget, budget] mask."""
+    skip_zero_advantage: bool = True
+    """Leave out of the forwards and backwards the sequences whose gradient is exactly zero: those with advantage 0
+    when algorithm.beta is 0 (a group whose completions all scored the same; PPO-clip's -A x ratio is 0 at every
+    token) and those with no loss token. The loss denominator still counts them, so the update is identical; the
+    per-token metrics (entropy, sampler_logp_diff, ...) are then over the sequences computed. actor/skipped_frac
+    says how many were left out: the share grows as the policy solves more prompts."""
     max_tokens_per_micro_batch: int = Field(default=4096, ge=16)
     """Token budget of one packed micro-batch per device (prompt + completion tokens), with use_dynamic_bsz.
     A single longer sequence still gets a micro-batch of its own."""

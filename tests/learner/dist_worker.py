@@ -19,10 +19,18 @@ from dgrpo.learner.batch import Sequence
 
 GROUP = 4
 SCENARIOS = {
+    # (The checkpoint and export are written from the last scenario's actor.)
     # padded micro-batches, contiguous split, 2 mini-batches (old logprobs recomputed), sharded reference.
     "padded": {
         "actor": {"micro_batch_size_per_device": 2, "balance_batch": False, "ppo_mini_batch_size": 2},
         "algorithm": {"beta": 0.1, "loss_agg": "seq-mean-token-mean"},
+    },
+    # zero-advantage sequences left out (actor.skip_zero_advantage): the first mini-batch keeps one sequence
+    # (topped up to one per rank with a skipped one), the second an odd five (topped up to six).
+    "skipped": {
+        "actor": {"use_dynamic_bsz": True, "max_tokens_per_micro_batch": 24, "ppo_mini_batch_size": 2},
+        "algorithm": {},
+        "zero_advantage": [0, 1, 2, 4, 5, 6, 7, 8, 9, 10],
     },
     # packed by tokens with balance_batch: ranks get different sequences and micro-batch counts.
     "packed": {
@@ -32,14 +40,16 @@ SCENARIOS = {
 }
 
 
-def make_seqs() -> list[Sequence]:
+def make_seqs(scenario: str) -> list[Sequence]:
+    zero = set(SCENARIOS[scenario].get("zero_advantage", ()))
     g = torch.Generator().manual_seed(3)
     seqs = []
     for i in range(16):
         p, c = 2 + (i * 7) % 5, 1 + (i * 5) % 9
         ids = torch.randint(5, 2000, (p + c,), generator=g).tolist()
         lp = (-torch.rand(c, generator=g) * 12).tolist()
-        seqs.append(Sequence(ids[:p], ids[p:], float((i * 3) % 4) - 1.5, lp, truncated=i % 7 == 0))
+        advantage = 0.0 if i in zero else float((i * 3) % 4) - 1.5
+        seqs.append(Sequence(ids[:p], ids[p:], advantage, lp, truncated=i % 7 == 0))
     return seqs
 
 
@@ -66,7 +76,7 @@ def main(model_dir: str, out_dir: str) -> None:
     try:
         for scenario in SCENARIOS:
             actor = make_actor(model_dir, scenario, ctx)
-            metrics = actor.update(make_seqs(), GROUP)
+            metrics = actor.update(make_seqs(scenario), GROUP)
             # Every rank iterates: the gathers are collective. The default bucket holds the whole tiny model; 64 KB
             # buckets cut it into many, of one to several tensors each.
             weights = dict(actor.named_weights(torch.float32))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -188,7 +189,8 @@ def test_every_metric_equals_an_independent_computation(tiny_model):
     values = [round(v, 6) for v in want.values()]
     assert len(set(values)) == len(values), want  # all distinct: a swap of any two would show
     got = actor.update(seqs, group_size=4)
-    assert set(got) == set(want) | {"timing/logprob_s", "timing/update_s"}
+    assert set(got) == set(want) | {"timing/logprob_s", "timing/update_s", "actor/skipped_frac"}
+    assert got["actor/skipped_frac"] == 0.0  # every sequence has an advantage and a KL
     for key, value in want.items():
         assert got[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
 
@@ -324,6 +326,42 @@ def test_a_completion_without_a_reward_leaves_no_trace_in_the_update(tiny_model,
     assert update(short, in_loss=False) == pytest.approx(update(long, in_loss=False), rel=1e-5)
     # Counted in, it is in the denominator (its tokens for token-mean, one more sequence for the seq-means).
     assert update(long, in_loss=True) != pytest.approx(update(long, in_loss=False), rel=1e-3)
+
+
+def test_sequences_without_gradient_are_left_out_and_the_update_is_the_same(tiny_model):
+    """With no KL in the loss, a group whose completions all scored alike (advantage 0) and a completion without a
+    reward have exactly zero gradient: leaving them out of the forwards (the default) gives the update computing
+    them gives, on fewer tokens. A batch with no gradient at all still takes AdamW's step (one filler computed)."""
+    seqs = make_seqs(8, groups=True)
+    seqs[:4] = [replace(s, advantage=0.0) for s in seqs[:4]]
+    seqs[6] = replace(seqs[6], in_loss=False)
+
+    def update(batch: list[Sequence], skip: bool, **kw) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        actor = make_actor(tiny_model, actor={**SHARED, "skip_zero_advantage": skip}, optim={"eps": 1e-5}, **kw)
+        metrics = actor.update(batch, group_size=4)
+        return params(actor), metrics
+
+    initial = params(make_actor(tiny_model))
+    (computed, m_all), (skipped, m_skip) = update(seqs, False), update(seqs, True)
+    step = torch.cat([(computed[k] - initial[k]).flatten() for k in initial])
+    gap = torch.cat([(skipped[k] - computed[k]).flatten() for k in initial]).norm() / step.norm()
+    assert step.norm() > 0 and gap < 1e-3, f"update differs by {gap:.2e} of its norm"
+    for key in ("actor/loss", "actor/pg_loss", "actor/grad_norm"):
+        assert m_skip[key] == pytest.approx(m_all[key], rel=1e-4, abs=1e-7), key
+    assert m_all["actor/skipped_frac"] == 0.0 and m_skip["actor/skipped_frac"] == 5 / 8
+    assert m_skip["actor/tokens"] < 0.6 * m_all["actor/tokens"]
+
+    # A KL in the loss moves zero-advantage sequences too: only the completion without a reward is left out.
+    _, m_kl = update(seqs, True, algorithm={"beta": 0.1})
+    assert m_kl["actor/skipped_frac"] == 1 / 8 and m_kl["actor/kl"] >= 0
+
+    # Nothing to learn from: AdamW still steps on the zero gradient, as computing every sequence would.
+    flat = [replace(s, advantage=0.0) for s in seqs]
+    (none_computed, m_none), (none_skipped, m_none_skip) = update(flat, False), update(flat, True)
+    assert m_none["actor/grad_norm"] == m_none_skip["actor/grad_norm"] == 0.0
+    assert m_none_skip["actor/skipped_frac"] == 1.0 and m_none_skip["actor/tokens"] < m_none["actor/tokens"] / 4
+    for k in initial:
+        torch.testing.assert_close(none_skipped[k], none_computed[k], atol=0, rtol=0, msg=k)
 
 
 # ---- bf16_weights=published (learner/compute_copy.py): the learner computes with the bits it publishes ----
