@@ -435,7 +435,7 @@ class Actor:
         kept = [i for i in idx if contributes(seqs[i])]
         world = self.ctx.world_size
         short = max(world, -(-len(kept) // world) * world) - len(kept)
-        skipped = [i for i in idx if i not in set(kept)]
+        skipped = sorted(set(idx) - set(kept))
         return kept, [replace(seqs[i], in_loss=False) for i in skipped[:short]]
 
     def _metrics(self, sums: StepSums, seqs: list[Sequence], grad_norms: list[float], lr: float) -> dict[str, float]:
