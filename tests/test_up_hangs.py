@@ -37,7 +37,9 @@ LEARNER_FREEZE_S = 30  # the learner's freeze: half of HUNG_RESTART_S, so `up` l
 def _records(metrics: Path) -> list[dict]:
     if not metrics.is_file():
         return []
-    return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip() and "reward/mean" in line]
+    # Only whole lines: the learner may be writing the last one while this reads (CI once caught one half-written).
+    complete = metrics.read_text().rpartition("\n")[0]
+    return [json.loads(line) for line in complete.splitlines() if line.strip() and "reward/mean" in line]
 
 
 def _group(port: int) -> list[int]:

@@ -39,8 +39,8 @@ def _start(args: list[str], tmp_path: Path) -> tuple[subprocess.Popen, Path]:
 def _steps_logged(metrics: Path) -> list[int]:
     if not metrics.is_file():
         return []
-    return [json.loads(line)["step"] for line in metrics.read_text().splitlines()
-            if line.strip() and "reward/mean" in line]
+    complete = metrics.read_text().rpartition("\n")[0]  # the learner may be writing the last line
+    return [json.loads(line)["step"] for line in complete.splitlines() if line.strip() and "reward/mean" in line]
 
 
 def _kill_hard(port: int) -> tuple[int, list[int], set[str]]:

@@ -558,7 +558,8 @@ class Run:
     def steps(self) -> list[dict]:
         if not self.metrics.exists():
             return []
-        return [json.loads(line) for line in self.metrics.read_text().splitlines() if line.strip()]
+        complete = self.metrics.read_text().rpartition("\n")[0]  # the learner may be writing the last line
+        return [json.loads(line) for line in complete.splitlines() if line.strip()]
 
     def wait_step(self, predicate, what: str, after: int = 0, timeout: float = 600) -> dict:
         deadline = time.monotonic() + timeout
