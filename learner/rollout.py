@@ -381,7 +381,7 @@ class RolloutClient:
                         answer = readings.pop(address).result()
                         if answer is not None:
                             read_at[address], steps[address] = answer
-                for straggler in rates.observe(now, steps, holders, read_at):
+                for straggler in rates.observe(now, steps, holders, read_at, finished=batch.delivered_by - holders):
                     target = self._hedge_target(batch, rates, exclude=straggler)
                     prompts = batch.hedge_from(straggler) if target else []
                     if prompts:
@@ -460,6 +460,7 @@ class RolloutClient:
                                f"{group.prompt_id!r}, expected n={batch.sampling.n}")
         del batch.pending[group.prompt_id]
         call.delivered += 1
+        batch.delivered_by.add(call.address)
         batch.stats.groups_by_replica[group.replica_id or call.address] += 1
         batch.out.put_nowait(group)
 

@@ -93,6 +93,8 @@ class Batch:
     """Hedge calls started by the straggler watch (a replica's worker runs its own calls)."""
     started: float = field(default_factory=time.monotonic)
     replicas: list[str] = field(default_factory=list)
+    delivered_by: set[str] = field(default_factory=set)
+    """Replicas that delivered a group of this batch first: proof their engines step (learner/stragglers.py)."""
     done: bool = False
     """Every group is in (or the step gave up): workers stop at their next turn, even one whose cancellation a
     library swallowed (a wait_for racing its own timeout before Python 3.12, a gRPC call cancelled as it ends)."""

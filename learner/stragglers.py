@@ -16,6 +16,10 @@ one garbage-collection pause or one late answer from being taken for a straggler
 duplicate work (the first complete group wins). A replica that was slow at its last check of the previous batch
 needs one slow check only: a throttled host or a noisy neighbour stays slow from one step to the next, and the
 earlier the hedge, the less the step waits.
+
+A replica on a small model can deliver its whole chunk before its Info answers twice, leaving no rate to compare
+with. Its delivered groups still prove that a healthy engine steps: while it holds nothing, a replica holding prompts
+whose engine did not step at all (or did not answer) is slow at that check.
 """
 
 from __future__ import annotations
@@ -47,12 +51,13 @@ class StepRates:
         return set(self._last)
 
     def observe(self, now: float, steps: dict[str, int | None], holding: set[str] | None = None,
-                read_at: dict[str, float] | None = None) -> list[str]:
+                read_at: dict[str, float] | None = None, finished: set[str] | None = None) -> list[str]:
         """One check: engine_steps (None when Info did not answer) of the replicas holding prompts, `holding`
         (default: all of `steps`), and of those read at the previous check; returns the stragglers among the
         holders: slow at `checks_in_a_row` checks in a row. `read_at`: when a count was read, where not `now` (an
         answer that came after its check). A replica that no longer holds prompts gets the rate of its last window
-        and is then forgotten, so its next window starts when it gets prompts again."""
+        and is then forgotten, so its next window starts when it gets prompts again. `finished`: replicas that
+        delivered groups of this batch and hold none now, the reference when no rate is known."""
         holding = set(steps) if holding is None else holding
         read_at = read_at or {}
         current: dict[str, float | None] = {}
@@ -80,11 +85,16 @@ class StepRates:
         # The fastest: among this check's rates and the last rate of replicas that finished their prompts (a fast
         # replica done with its chunk still shows what a healthy engine does).
         fastest = max([r for r in current.values() if r is not None] + list(self.rates.values()), default=0.0)
-        if fastest <= 0:
+        stepped_elsewhere = bool((finished or set()) - holding)
+        if fastest <= 0 and not stepped_elsewhere:
             return []
         for address in holding & set(current):
             rate = current[address]
-            slow = self.verdicts[address] = rate is None or rate < self.slower_than * fastest
+            if fastest > 0:
+                slow = rate is None or rate < self.slower_than * fastest
+            else:  # another replica finished its chunk unmeasured: only not stepping at all is slow
+                slow = not rate
+            self.verdicts[address] = slow
             self._slow[address] = self._slow[address] + 1 if slow else 0
         return sorted(a for a in holding if self._slow[a] >= (1 if a in self.suspects else self.checks_in_a_row))
 

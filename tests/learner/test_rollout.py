@@ -163,3 +163,25 @@ def test_a_replica_that_finished_its_prompts_between_two_checks_still_gives_its_
     assert late.observe(1.0, {"a": 70, "b": 0}) == []  # b slow once
     assert late.observe(1.5, {"a": 70, "b": 0}, holding={"b"}) == ["b"] and late.rates["a"] == 70.0
     assert late.observe(2.0, {"b": 0}, holding={"b"}) == ["b"]  # still the reference while b holds prompts
+
+
+def test_a_replica_that_finished_its_chunk_unmeasured_still_shows_a_frozen_one_is_slow():
+    """On a small model the fast replica can deliver its whole chunk before its Info answers twice: no rate to compare
+    with (the CI failure of the straggler test). Its delivered groups prove a healthy engine steps, so a holder that
+    does not step at all is a straggler; one stepping at any rate is not (its speed has no reference)."""
+    from dgrpo.learner.stragglers import StepRates
+
+    rates = StepRates(0.5)
+    assert rates.observe(0.0, {"a": None, "b": 3}) == []  # a busy: its only answer never comes while it holds prompts
+    assert rates.observe(0.5, {"b": 3}, holding={"b"}, finished={"a"}) == []  # b slow once (0 steps)
+    assert rates.observe(1.0, {"b": None}, holding={"b"}, finished={"a"}) == ["b"]  # twice: not answering either
+    assert rates.rates == {"b": 0.0}
+    stepping = StepRates(0.5)
+    stepping.observe(0.0, {"b": 3}, holding={"b"})
+    assert [stepping.observe(t, {"b": 3 + 4 * t}, holding={"b"}, finished={"a"}) for t in (1.0, 2.0, 3.0)] == [[]] * 3
+    # Without a replica that finished, b's standstill says nothing (all replicas may be waiting for weights).
+    alone = StepRates(0.5)
+    assert [alone.observe(t, {"b": 3}, holding={"b"}) for t in (0.0, 1.0, 2.0)] == [[]] * 3
+    # A replica that finished but still holds another chunk is no reference of its own.
+    busy = StepRates(0.5)
+    assert [busy.observe(t, {"b": 3}, holding={"a", "b"}, finished={"a"}) for t in (0.0, 1.0, 2.0)] == [[]] * 3
