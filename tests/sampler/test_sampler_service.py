@@ -273,6 +273,19 @@ def test_info_health_reflection_and_metrics(sampler, stub, tiny_model):
     assert "dgrpo_sampler_weight_version" in text
 
 
+def test_info_names_the_engine_dtype_the_learner_checks_its_publishes_against(stub, sampler):
+    """model.dtype auto is decided on each host: the learner compares the dtype a replica's Info names with the one
+    it publishes (learner/weight_sync.py) and warns, naming both, where they differ."""
+    from dgrpo.learner.weight_sync import dtype_mismatch
+
+    served = stub.Info(pb.InfoRequest()).dtype
+    assert served == "float32"  # the fixture's model.dtype, as the engine loaded it
+    assert dtype_mismatch(sampler.address, served, "float32") is None
+    warning = dtype_mismatch(sampler.address, served, "bfloat16")
+    assert f"sampler {sampler.address} runs float32" in warning and "publishes bfloat16" in warning
+    assert "model.dtype" in warning
+
+
 def test_sigterm_drains_and_exits_zero(sampler, stub):
     """Last in the module: SIGTERM during a request -> the stream ends, the process exits 0."""
     call = stub.Generate(pb.GenerateRequest(prompts=[pb.Prompt(id="a", text="x")],
@@ -288,15 +301,3 @@ def test_sigterm_drains_and_exits_zero(sampler, stub):
     assert "sampler stopped" in sampler.logs()
     assert len(groups) <= 1
 
-
-def test_info_names_the_engine_dtype_the_learner_checks_its_publishes_against(stub, sampler):
-    """model.dtype auto is decided on each host: the learner compares the dtype a replica's Info names with the one
-    it publishes (learner/weight_sync.py) and warns, naming both, where they differ."""
-    from dgrpo.learner.weight_sync import dtype_mismatch
-
-    served = stub.Info(pb.InfoRequest()).dtype
-    assert served == "float32"  # the fixture's model.dtype, as the engine loaded it
-    assert dtype_mismatch(sampler.address, served, "float32") is None
-    warning = dtype_mismatch(sampler.address, served, "bfloat16")
-    assert f"sampler {sampler.address} runs float32" in warning and "publishes bfloat16" in warning
-    assert "model.dtype" in warning
