@@ -16,7 +16,7 @@ import math
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, fields, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -25,84 +25,23 @@ from torch.distributed.tensor import DTensor
 from dgrpo.common.devices import fused_adamw
 from dgrpo.learner import grpo
 from dgrpo.learner import lora as peft_lora
-from dgrpo.learner.actor_config import ActorConfig, AlgorithmConfig, MaskedIS, OptimConfig
+from dgrpo.learner.actor_config import ActorConfig, AlgorithmConfig, OptimConfig
 from dgrpo.learner.attention import PROMPT_BLOCKS, block_forward_kwargs
 from dgrpo.learner.batch import MicroBatch, Sequence, micro_batches
 from dgrpo.learner.compute_copy import ComputeCopy
 from dgrpo.learner.distributed import (
     DistContext,
     all_reduce_max,
-    all_reduce_sum,
     balance_batch,
     contiguous_split,
     shard_model,
 )
+from dgrpo.learner.step_sums import StepSums
 from dgrpo.weights.gather import DEFAULT_BUCKET_BYTES, full_tensors
 from dgrpo.weights.gather import layout as full_layout
 from dgrpo.weights.lora import LoraConfig
 
 log = logging.getLogger("dgrpo.learner")
-
-TOKEN_MEANS = (
-    "clip_frac_low", "clip_frac_high", "clip_frac_dual", "ratio", "kl", "entropy", "sampler_logp_diff",
-    "is_weight_mean", "off_policy_masked_frac",
-)
-"""Per-token statistics of the step, reported as means over the loss tokens of all ranks (StepSums fields)."""
-MAXIMA = ("is_weight_max",)
-"""StepSums fields that are maxima over the step's micro-batches and ranks, not sums."""
-
-
-@dataclass
-class StepSums:
-    """What one training step adds up over this rank's micro-batches, by name.
-
-    `all_reduced` stacks the fields into one float64 tensor, sums it over ranks in a single all-reduce and reads
-    it back by field name: one collective per step, and no offsets for a metric to be read from the wrong slot.
-    The MAXIMA fields take a second, max all-reduce, only when asked (off-policy correction on).
-    """
-
-    clip_frac_low: float = 0.0
-    """This and the next eight: the micro-batch's token mean x its loss tokens (TOKEN_MEANS)."""
-    clip_frac_high: float = 0.0
-    clip_frac_dual: float = 0.0
-    ratio: float = 0.0
-    kl: float = 0.0
-    entropy: float = 0.0
-    sampler_logp_diff: float = 0.0
-    is_weight_mean: float = 0.0
-    off_policy_masked_frac: float = 0.0
-    loss_tokens: float = 0.0
-    """Completion tokens under the loss mask: what the token means divide by."""
-    loss: float = 0.0
-    """Micro-batch loss x its share of the mini-batch's denominator, summed: the sum of the mini-batch losses."""
-    pg_loss: float = 0.0
-    """The same for the policy-gradient term alone (the loss without the KL)."""
-    real_tokens: float = 0.0
-    """Tokens of the forwards' inputs, padding excluded (a shared prompt counts once)."""
-    padded_tokens: float = 0.0
-    """Tokens the forwards computed, padding included."""
-    sequence_tokens: float = 0.0
-    """Prompt + completion tokens of the sequences trained on (a shared prompt counts once per sequence)."""
-    is_weight_max: float = 0.0
-    """The largest importance weight of any loss token (a maximum, MAXIMA; weights are >= 0)."""
-
-    def all_reduced(self, ctx: DistContext, maxima: bool = False) -> StepSums:
-        """Sums over ranks; with `maxima` (every rank must pass the same) also the MAXIMA fields' maxima."""
-        names = [f.name for f in fields(self) if f.name not in MAXIMA]
-        stacked = torch.tensor([getattr(self, name) for name in names], dtype=torch.float64)
-        out = StepSums(**dict(zip(names, all_reduce_sum(stacked, ctx).tolist(), strict=True)))
-        for name in MAXIMA:
-            value = getattr(self, name)
-            setattr(out, name, _max_over_ranks(value, ctx) if maxima else value)
-        return out
-
-
-def _max_over_ranks(value: float, ctx: DistContext) -> float:
-    """Max of a float >= 0 over ranks through the integer all_reduce_max: the bits of non-negative IEEE floats,
-    read as integers, order as the floats do."""
-    bits = torch.tensor([value], dtype=torch.float64).view(torch.int64).item()
-    return torch.tensor([all_reduce_max(bits, ctx)], dtype=torch.int64).view(torch.float64).item()
-
 
 def lr_factor(step: int, optim: OptimConfig, total_steps: int) -> float:
     """Multiplier of optim.lr at training step `step` (0-based): linear warmup, then constant/cosine/linear."""
@@ -413,7 +352,8 @@ class Actor:
         self._updates_this_step = 0
         t2 = time.perf_counter()
         sums = sums.all_reduced(self.ctx, maxima=self.algo.correction is not None)
-        metrics = self._metrics(sums, seqs, grad_norms, lr)
+        metrics = sums.metrics(seqs, grad_norms, lr, entropy=self.cfg.compute_entropy,
+                               dual_clip=self.algo.clip_ratio_c is not None, correction=self.algo.correction)
         metrics.update({"timing/logprob_s": t1 - t0, "timing/update_s": t2 - t1,
                         "actor/skipped_frac": 1.0 - contributing / sum(map(len, minis))})
         return metrics
@@ -437,36 +377,6 @@ class Actor:
         short = max(world, -(-len(kept) // world) * world) - len(kept)
         skipped = sorted(set(idx) - set(kept))
         return kept, [replace(seqs[i], in_loss=False) for i in skipped[:short]]
-
-    def _metrics(self, sums: StepSums, seqs: list[Sequence], grad_norms: list[float], lr: float) -> dict[str, float]:
-        """The step's metrics from the sums over all ranks (docs/actor.md lists them)."""
-        tokens = max(sums.loss_tokens, 1.0)
-        metrics = {f"actor/{name}": getattr(sums, name) / tokens for name in TOKEN_MEANS}
-        if not self.cfg.compute_entropy:
-            del metrics["actor/entropy"]
-        if self.algo.clip_ratio_c is None:
-            del metrics["actor/clip_frac_dual"]
-        if any(s.sampler_logprobs is None for s in seqs):
-            del metrics["actor/sampler_logp_diff"]
-        if self.algo.correction is None:
-            del metrics["actor/is_weight_mean"]
-        else:
-            metrics["actor/is_weight_max"] = sums.is_weight_max
-        if not isinstance(self.algo.correction, MaskedIS):
-            del metrics["actor/off_policy_masked_frac"]
-        updates = len(grad_norms)
-        metrics.update({
-            "actor/loss": sums.loss / updates,
-            "actor/pg_loss": sums.pg_loss / updates,
-            "actor/grad_norm": sum(grad_norms) / updates,
-            "actor/lr": lr,
-            "actor/updates": float(updates),
-            "actor/tokens": sums.real_tokens,
-            "actor/padding_frac": 1.0 - sums.real_tokens / max(sums.padded_tokens, 1.0),
-            # Tokens the forwards computed per token of the sequences: < 1 when prompts are shared.
-            "actor/computed_tokens_ratio": sums.padded_tokens / max(sums.sequence_tokens, 1.0),
-        })
-        return metrics
 
     def _optimizer_update(
         self,
@@ -494,7 +404,7 @@ class Actor:
             if self.compute is not None:
                 self.compute.move_grads_to_master()
             if real:
-                self._record(sums, mb, mask, logp, ent, loss, stats, weight)
+                sums.record(mb, mask, logp, ent, loss, stats, weight, self.ctx.world_size)
         norm = self._clip_grad_norm()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -538,35 +448,6 @@ class Actor:
             clip_ratio_c=algo.clip_ratio_c, kl_cap=algo.kl_cap,
         )
         return loss, stats, mask
-
-    @torch.no_grad()
-    def _record(
-        self, sums: StepSums, mb: MicroBatch, mask: torch.Tensor, logp: torch.Tensor, ent: torch.Tensor | None,
-        loss: torch.Tensor, stats: dict[str, torch.Tensor], weight: float,
-    ) -> None:
-        """Add one real micro-batch to the step's sums: token means weighted by its loss tokens, the loss and
-        pg_loss by its share of the mini-batch's (per rank: the weight's x world_size undone)."""
-        tokens = mask.sum().clamp(min=1)
-        if ent is not None:
-            stats["entropy"] = (ent * mask).sum() / tokens
-        if mb.sampler_logp is not None:  # how far the sampler's policy is from the learner's (sync check)
-            stats["sampler_logp_diff"] = ((logp.detach() - mb.sampler_logp).abs() * mask).sum() / tokens
-        means = [name for name in TOKEN_MEANS if name in stats]
-        maxima = [name for name in MAXIMA if name in stats]
-        # One device->host copy per micro-batch (a sync point on accelerators).
-        tok, loss_v, pg_v, *values = torch.stack([
-            t.double() for t in (mask.sum(), loss.detach(), stats["pg_loss"], *(stats[n] for n in means + maxima))
-        ]).cpu().tolist()
-        for name, value in zip(means, values[:len(means)], strict=True):
-            setattr(sums, name, getattr(sums, name) + value * tok)
-        for name, value in zip(maxima, values[len(means):], strict=True):
-            setattr(sums, name, max(getattr(sums, name), value))
-        sums.loss_tokens += tok
-        sums.loss += loss_v * weight / self.ctx.world_size
-        sums.pg_loss += pg_v * weight / self.ctx.world_size
-        sums.real_tokens += mb.real_tokens
-        sums.padded_tokens += mb.padded_tokens
-        sums.sequence_tokens += mb.sequence_tokens
 
     def _clip_grad_norm(self) -> float:
         """Total gradient norm over all ranks' shards, before clipping to optim.grad_clip (none: only measured)."""

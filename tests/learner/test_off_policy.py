@@ -16,9 +16,10 @@ import yaml
 from dgrpo.cli.stack import StackConfig
 from dgrpo.common.config import ConfigError, load_config, to_yaml
 from dgrpo.learner import grpo
-from dgrpo.learner.actor import Actor, StepSums
+from dgrpo.learner.actor import Actor
 from dgrpo.learner.actor_config import ActorConfig, AlgorithmConfig, MaskedIS, OptimConfig, TruncatedIS
 from dgrpo.learner.batch import Sequence
+from dgrpo.learner.step_sums import StepSums
 
 NEW_METRICS = {"actor/is_weight_mean", "actor/is_weight_max", "actor/off_policy_masked_frac"}
 
