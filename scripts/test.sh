@@ -1,6 +1,12 @@
 #!/usr/bin/env bash
-# The test command: builds the environment if needed, then runs the whole suite (real vLLM, real gRPC).
+# The test command: builds the environment if needed, then runs the suite (real vLLM, real gRPC).
+#   bash scripts/test.sh               every tier, cheapest first
+#   bash scripts/test.sh unit          one tier: unit | integration | e2e (docs/testing.md says what each needs)
+#   bash scripts/test.sh e2e -k compose ...  any further arguments go to pytest
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/env.sh
-exec python -m pytest tests "$@"
+case "${1:-}" in
+  unit|integration|e2e) tier="$1"; shift; exec python -m pytest tests -m "$tier" "$@" ;;
+  *) exec python -m pytest tests "$@" ;;
+esac

@@ -10,7 +10,17 @@ import os
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 from support import ServiceProcess, free_port
+
+# The tiers (unit / integration / e2e), decided from the fixtures a test requests, and their guard and time limits.
+pytest_plugins = ["tiers"]
+
+# Property tests draw the same examples on every CI run (a failure there is reproducible, never a lucky draw);
+# a developer's run explores new ones. `CI` is set by .ci/run.
+settings.register_profile("ci", derandomize=True, database=None, deadline=None, print_blob=True)
+settings.register_profile("dev", deadline=None, print_blob=True)
+settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
 TINY_MODEL_DIR = Path(os.environ.get("DGRPO_CACHE", Path.home() / ".cache" / "dgrpo")) / "models" / "tiny-llama-h64"
 
@@ -31,7 +41,7 @@ def bundled_model() -> Path:
 
 
 @pytest.fixture
-def service_factory():
+def service_factory(child_processes):
     """Start services with `start(command, overrides, port)`; all are stopped at teardown."""
     started: list[ServiceProcess] = []
 

@@ -105,7 +105,7 @@ def test_no_token_serves_everyone_as_before():
     assert plain.step == with_token.step == 3
 
 
-def test_sampler_server_guards_streams_and_the_rollout_client_sends_the_token():
+def test_sampler_server_guards_streams_and_the_rollout_client_sends_the_token(child_processes):
     """Generate is a server stream: an unauthenticated one is refused before the servicer runs; an authenticated
     one reaches it (no engine attached: UNAVAILABLE, "still loading")."""
     async def generate(port, token):
@@ -243,7 +243,7 @@ def test_compose_binds_all_interfaces_inside_containers_and_publishes_on_host_lo
         assert TOKEN_ENV not in compose["x-dgrpo"]["environment"]
 
 
-def test_compose_token_is_given_kept_or_generated_owner_only(tmp_path, monkeypatch):
+def test_compose_token_is_given_kept_or_generated_owner_only(child_processes, tmp_path, monkeypatch):
     """deploy/docker-compose.yml's `token` service: DGRPO_TOKEN if set, else the earlier start's, else a fresh one;
     the file 0600; a token every service would refuse stops it, naming the variable and never the token."""
     from dgrpo.cli.token import ensure_token

@@ -168,7 +168,7 @@ def test_shm_too_small_for_two_slots_fails(tmp_path, monkeypatch):
     assert doctor.check_shm("learner", cfg, 135_000_000).status == "FAIL"
 
 
-def test_shm_counts_a_dead_learners_slots_as_free(tmp_path, monkeypatch):
+def test_shm_counts_a_dead_learners_slots_as_free(child_processes, tmp_path, monkeypatch):
     """A killed learner's slots stay in /dev/shm until its restart reclaims them: the check must not refuse that
     restart (compose restarts a learner into the /dev/shm its last run filled)."""
     import subprocess
@@ -215,7 +215,7 @@ def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
                           check=False, env=env)
 
 
-def test_a_service_refuses_to_start_on_a_failed_check_without_heavy_imports(tmp_path):
+def test_a_service_refuses_to_start_on_a_failed_check_without_heavy_imports(child_processes, tmp_path):
     (tmp_path / "config.json").write_text("{}")  # a folder with a config but no weights
     code = ("import sys\nfrom dgrpo.cli.main import main\n"
             f"rc = main(['sampler', 'model.path={tmp_path}'])\n"
@@ -229,7 +229,7 @@ def test_a_service_refuses_to_start_on_a_failed_check_without_heavy_imports(tmp_
     assert model["status"] == "FAIL" and model["detail"] in out.stderr  # the same message
 
 
-def test_taken_port_fails_doctor_and_the_rewarder_alike():
+def test_taken_port_fails_doctor_and_the_rewarder_alike(child_processes):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
@@ -241,7 +241,7 @@ def test_taken_port_fails_doctor_and_the_rewarder_alike():
 
 
 @pytest.mark.parametrize("mode", ["on", "warn", "off"])
-def test_dgrpo_doctor_warn_or_off_lets_a_service_start(tmp_path, monkeypatch, mode):
+def test_dgrpo_doctor_warn_or_off_lets_a_service_start(child_processes, tmp_path, monkeypatch, mode):
     cfg = load_config(StackConfig, None, [f"weights.shm_dir={tmp_path / 'missing'}", "sampler.port=0"])
     assert [f.check for f in doctor.run_checks(cfg, ("sampler",)) if f.status == "FAIL"] == ["shm"]
     monkeypatch.setenv("DGRPO_DOCTOR", mode)

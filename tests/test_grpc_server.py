@@ -162,7 +162,7 @@ SIGTERM_SCRIPT = textwrap.dedent('''
 ''')
 
 
-def test_sigterm_runs_the_stop_sequence_and_exits_cleanly(free_port):
+def test_sigterm_runs_the_stop_sequence_and_exits_cleanly(child_processes, free_port):
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-c", SIGTERM_SCRIPT, str(port)], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)

@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SERVICES = {"sampler": "dgrpo.sampler", "rewarder": "dgrpo.rewarder", "learner": "dgrpo.learner"}
 
 
-def test_generic_top_level_names_are_not_ours(tmp_path):
+def test_generic_top_level_names_are_not_ours(child_processes, tmp_path):
     """`import sampler` / `import proto` must not find dgrpo (proto-plus owns `proto`)."""
     code = (
         "import importlib.util, json\n"

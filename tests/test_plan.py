@@ -153,7 +153,7 @@ def test_sampler_kv_cache_smaller_than_one_sequence_is_a_problem_with_its_knob(t
     assert not cpu.fits and cpu.fix == "sampler.kv_cache_space_gib=3"  # 1 GiB < 32768 x 57 KB = 1.9 GB
 
 
-def test_dgrpo_plan_command_exits_1_when_it_does_not_fit(tmp_path):
+def test_dgrpo_plan_command_exits_1_when_it_does_not_fit(child_processes, tmp_path):
     args = [sys.executable, "-m", "dgrpo.cli", "plan", "--config", str(ROOT / "configs" / "npu-node.yaml"),
             "--device", "npu", "--learner-ranks", "4", f"model.path={_qwen(tmp_path)}"]
     ok = subprocess.run([*args, "--device-memory-gb", "68.7"], capture_output=True, text=True, check=False)

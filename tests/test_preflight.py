@@ -46,7 +46,7 @@ def stack_cfg(tmp_path: Path, *overrides: str) -> StackConfig:
 
 
 @pytest.fixture
-def small_fs(tmp_path):
+def small_fs(child_processes, tmp_path):
     """A real 2 MB filesystem (tmpfs; needs root), unmounted afterwards."""
     mnt = tmp_path / "small"
     mnt.mkdir()
@@ -119,7 +119,7 @@ def test_a_logger_that_is_not_installed_is_refused_naming_key_and_package(tmp_pa
     check_loggers(["console", "jsonl", "tensorboard"])
 
 
-def test_learner_with_a_missing_logger_exits_2_with_one_line_and_no_traceback(tmp_path):
+def test_learner_with_a_missing_logger_exits_2_with_one_line_and_no_traceback(child_processes, tmp_path):
     """What a container in a restart loop would print: the key and the install line, not a traceback."""
     train = write_jsonl(tmp_path / "train.jsonl", ROWS)
     argv = ["learner", f"learner.data.train_files=[{train}]", f"learner.checkpoint.dir={tmp_path / 'ckpt'}",
@@ -224,7 +224,7 @@ def up_args(*overrides: str, config: Path | None = None, samplers: int = 1) -> a
     return argparse.Namespace(config=config, overrides=list(overrides), samplers=samplers, no_demo_data=False)
 
 
-def test_up_fails_in_seconds_before_any_service_starts(tmp_path):
+def test_up_fails_in_seconds_before_any_service_starts(launcher, tmp_path):
     train = write_jsonl(tmp_path / "train.jsonl", ROWS)
     config = yaml.safe_load(Path(__file__).parents[1].joinpath("configs", "cpu-demo.yaml").read_text())
     config["learner"]["data"].update(train_files=[str(tmp_path / "missing.parquet")], val_files=[train])

@@ -38,7 +38,7 @@ def _tree(segment: Path) -> tuple[subprocess.Popen, int]:
     return leader, int(leader.stdout.readline())
 
 
-def test_a_dead_leaders_tree_and_its_segments_are_reaped():
+def test_a_dead_leaders_tree_and_its_segments_are_reaped(child_processes):
     segment = Path(procs.SHM_DIR) / f"psm_test_{uuid.uuid4().hex[:8]}"
     kept = Path(procs.SHM_DIR) / f"psm_test_{uuid.uuid4().hex[:8]}"
     leader, child = _tree(segment)
@@ -79,7 +79,7 @@ def test_dgrpo_segments_are_left_to_their_owner_check(tmp_path):
         ours.unlink(missing_ok=True)
 
 
-def test_kill_group_of_a_finished_group_is_a_no_op():
+def test_kill_group_of_a_finished_group_is_a_no_op(child_processes):
     done = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
     done.wait()
     time.sleep(0.1)

@@ -10,7 +10,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_generated_code_is_not_stale():
+def test_generated_code_is_not_stale(child_processes):
     result = subprocess.run([sys.executable, str(ROOT / "proto" / "generate.py"), "--check"], check=False,
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr  # the stale file names, not just the exit code

@@ -47,14 +47,14 @@ def our_args(text: str, env: dict[str, str]) -> list:
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in SCRIPTS.glob("*.sh")))
-def test_verl_scripts_expand_as_bash_expands_them(name, tmp_path):
+def test_verl_scripts_expand_as_bash_expands_them(child_processes, name, tmp_path):
     text = (SCRIPTS / name).read_text()
     ours = our_args(text, ENV)
     assert all(isinstance(w, str) for w in ours), [w for w in ours if not isinstance(w, str)]
     assert ours == bash_args(text, tmp_path, ENV)
 
 
-def test_environment_overrides_the_scripts_defaults(tmp_path):
+def test_environment_overrides_the_scripts_defaults(child_processes, tmp_path):
     text = (SCRIPTS / "test_dapo_7b_math.sh").read_text()
     env = {**ENV, "MODEL_PATH": "/models/q", "NNODES": "2", "RAY_DATA_HOME": "/data dir"}
     ours = our_args(text, env)
@@ -93,7 +93,7 @@ python3 -m verl.trainer.main_ppo \
 """
 
 
-def test_shell_constructs_match_bash(tmp_path):
+def test_shell_constructs_match_bash(child_processes, tmp_path):
     ours = our_args(CONSTRUCTS, ENV)
     assert ours == bash_args(CONSTRUCTS, tmp_path, ENV)
     # (16*3 + 1) % 7 = 0, and -7 / 2 truncates toward zero: 0 - (-3) = 3

@@ -80,7 +80,7 @@ def test_last_number_reward():
     assert last_number_reward("no digits", "7") == 0.0
 
 
-def test_write_command(tmp_path):
+def test_write_command(child_processes, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "dgrpo.cli.tasks", "write", str(tmp_path), "--n-val", "8"],
                           capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr

@@ -157,7 +157,7 @@ def test_rewarder_with_mutual_tls_serves_only_clients_with_a_certificate_from_it
 # ---- the learner's control server with server-only TLS, in process -----------------------------------------------
 
 
-def test_control_server_with_tls_still_requires_the_token_and_health_answers_over_tls(pki):
+def test_control_server_with_tls_still_requires_the_token_and_health_answers_over_tls(child_processes, pki):
     cfg = load_config(StackConfig, None, [f"auth.tls.cert_file={pki / 'server.pem'}",
                                           f"auth.tls.key_file={pki / 'server.key'}"])
     server_credentials = Credentials(TOKEN, cfg.auth.tls.material())

@@ -56,7 +56,7 @@ def _signal(pids: list[int], sig: int) -> None:
             pass
 
 
-def test_frozen_samplers_and_rewarder_never_stall_training(tiny_model, tmp_path):
+def test_frozen_samplers_and_rewarder_never_stall_training(launcher, tiny_model, tmp_path):
     run_dir = tmp_path / "runs" / "hang"
     log_path = tmp_path / "up.log"
     with open(log_path, "w") as log:

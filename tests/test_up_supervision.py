@@ -55,7 +55,7 @@ def _kill_hard(port: int) -> tuple[int, list[int], set[str]]:
     return pid, members, {p for p in used - others if not Path(p).name.startswith("dgrpo-")}
 
 
-def test_killed_sampler_and_rewarder_are_restarted_and_training_goes_on(tiny_model, tmp_path):
+def test_killed_sampler_and_rewarder_are_restarted_and_training_goes_on(launcher, tiny_model, tmp_path):
     run_dir = tmp_path / "runs" / "sup"
     # Asynchronous (one batch sampled ahead, in-flight weight updates): a replica leaving and coming back is the
     # pipeline's scale-down and scale-up.
@@ -127,7 +127,7 @@ def test_killed_sampler_and_rewarder_are_restarted_and_training_goes_on(tiny_mod
     assert not list(Path("/dev/shm").glob("dgrpo-w-sup*"))
 
 
-def test_losing_the_only_sampler_keeps_the_last_completed_step(tiny_model, tmp_path):
+def test_losing_the_only_sampler_keeps_the_last_completed_step(launcher, tiny_model, tmp_path):
     run_dir, steps = tmp_path / "runs" / "lost", 20
     proc, log = _start(up_command(tiny_model, tmp_path, "lost", steps, "learner.checkpoint.save_freq=0",
                                   "--max-restarts", "0", "--stop-timeout", "120"), tmp_path)

@@ -9,7 +9,7 @@ from compose_support import DEPLOY, docker_problem, run, sweep_stale_test_object
 
 
 @pytest.fixture(scope="session")
-def docker_ready():
+def docker_ready(launcher):
     """Skips (printing why) without a daemon; else builds dgrpo:cpu as a user would (a warm build takes seconds)."""
     problem = docker_problem()
     if problem:

@@ -29,6 +29,8 @@ VARIANTS = {
     "npu": ["docker-compose.yml", "docker-compose.npu.yml"],
 }
 DEVICE_VAR = {"cuda": "CUDA_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DEVICES"}
+# Resolved by `docker compose config` (a child process): integration tier (tests/tiers.py).
+pytestmark = pytest.mark.usefixtures("child_processes")
 
 
 def _compose_command() -> list[str] | None:
@@ -213,7 +215,7 @@ def test_dockerfiles_copy_every_package_folder():
         assert all(f"!{f}/" in ignore for f in folders), f"{dockerfile.name}.dockerignore excludes a package folder"
 
 
-def test_entrypoint_runs_learner_under_torchrun(tmp_path):
+def test_entrypoint_runs_learner_under_torchrun(child_processes, tmp_path):
     """DGRPO_NPROC_PER_NODE=2 turns `dgrpo learner ...` into two torchrun ranks (here: each prints --help)."""
     env = {**os.environ, "DGRPO_NPROC_PER_NODE": "2", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     proc = subprocess.run([str(DEPLOY / "entrypoint.sh"), "dgrpo", "learner", "--help"], capture_output=True,

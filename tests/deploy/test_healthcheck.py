@@ -18,7 +18,7 @@ def probe(port: int, *extra: str) -> subprocess.CompletedProcess:
                           check=False)
 
 
-def test_probe_follows_the_serving_status(free_port):
+def test_probe_follows_the_serving_status(child_processes, free_port):
     port = free_port()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
     servicer = health.HealthServicer()
@@ -42,11 +42,11 @@ def test_probe_follows_the_serving_status(free_port):
     assert gone.returncode == 1 and "UNAVAILABLE" in gone.stdout
 
 
-def test_probe_usage_error():
+def test_probe_usage_error(child_processes):
     assert subprocess.run([sys.executable, str(PROBE)], capture_output=True, timeout=30, check=False).returncode == 2
 
 
-def test_probe_tls_flags_are_checked(free_port, tmp_path):
+def test_probe_tls_flags_are_checked(child_processes, free_port, tmp_path):
     """TLS over a real server is tested in tests/test_tls.py; here the flags that cannot work are refused."""
     port = free_port()
     lone_cert = probe(port, "--ca-file", "ca.pem", "--cert-file", "client.pem")

@@ -43,6 +43,8 @@ MODEL_SHAPES = {
 }
 
 needs_kustomize = pytest.mark.skipif(kustomize_command() is None, reason=MISSING)
+# Rendered by kustomize (a child process): integration tier (tests/tiers.py).
+pytestmark = pytest.mark.usefixtures("child_processes")
 
 
 @functools.cache
@@ -148,7 +150,7 @@ def test_every_container_command_is_a_valid_stack_config(variant, tmp_path):
 
 
 @needs_kustomize
-def test_learner_command_passes_dgrpo_show_config(tmp_path):
+def test_learner_command_passes_dgrpo_show_config(child_processes, tmp_path):
     """The real CLI, as the container runs it: `dgrpo show-config` resolves the learner's command line."""
     (tmp_path / "stack.yaml").write_text(config_data("cpu"))
     c = workloads("cpu")["learner"]["spec"]["template"]["spec"]["containers"][0]

@@ -498,7 +498,7 @@ class PodRunner:
 
 
 @pytest.fixture(scope="module")
-def image() -> str | None:
+def image(launcher) -> str | None:
     problem = _problem()
     if problem:
         print(f"\n[test_k8s_run] SKIPPED: {problem}", file=sys.stderr)

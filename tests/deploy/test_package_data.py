@@ -33,7 +33,7 @@ def _copy_source(dest: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_non_editable_install_ships_the_configs(tmp_path):
+def test_non_editable_install_ships_the_configs(child_processes, tmp_path):
     src, venv = tmp_path / "src", tmp_path / "venv"
     src.mkdir()
     _copy_source(src)

@@ -40,7 +40,7 @@ class Served:
 
 
 @pytest.fixture(scope="module")
-def learner_control():
+def learner_control(child_processes):
     """`start_control_server` (what the learner loop runs) in a process of its own, with the token."""
     port = free_port()
     with tempfile.NamedTemporaryFile(prefix="dgrpo-fuzz-learner-", suffix=".log", delete=False) as log:

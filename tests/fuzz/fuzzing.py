@@ -21,10 +21,11 @@ from hypothesis import strategies as st
 TOKEN = "fuzz-token-0123456789abcdef"
 BEARER = (("authorization", f"Bearer {TOKEN}"),)
 
-FUZZ = settings(deadline=None, database=None, derandomize=False, print_blob=True,
+FUZZ = settings(deadline=None, database=None, print_blob=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                        HealthCheck.function_scoped_fixture, HealthCheck.filter_too_much])
-"""Base settings: no deadline (every example is a network round trip), no example database in the repo."""
+"""Base settings: no deadline (every example is a network round trip), no example database in the repo; random or
+derandomized as the profile says (tests/conftest.py: derandomized in CI)."""
 
 CLEAN = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
          grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.OUT_OF_RANGE}

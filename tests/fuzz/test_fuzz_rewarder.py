@@ -44,7 +44,7 @@ VALID = {SCORE: [VALID_SCORE.SerializeToString(), pb.ScoreRequest(groups=[GROUP,
 
 
 @pytest.fixture(scope="module")
-def rewarder():
+def rewarder(child_processes):
     port = free_port()
     svc = ServiceProcess("rewarder", [f"rewarder.port={port}", "rewarder.host=127.0.0.1", "rewarder.workers=1",
                                       "rewarder.grace_s=1", "rewarder.call_timeout_s=10"], port,

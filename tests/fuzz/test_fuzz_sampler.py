@@ -51,7 +51,7 @@ CHECK = _request([pb.Prompt(id="check", text="fine")])
 
 
 @pytest.fixture(scope="module")
-def sampler(tiny_model):
+def sampler(child_processes, tiny_model):
     port = free_port()
     svc = ServiceProcess(
         "sampler",

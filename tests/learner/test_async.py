@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_model, tmp_path_factory):
+def stack(child_processes, tiny_model, tmp_path_factory):
     root = tmp_path_factory.mktemp("async")
     with replicas_and_rewarder(tiny_model, pause_mode="keep") as (samplers, rewarder, weights):
         config = {

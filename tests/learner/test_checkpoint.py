@@ -120,7 +120,7 @@ def test_checkpoint_of_another_model_is_refused_by_name(tiny_model, tmp_path):
 
 
 @pytest.fixture
-def tmpfs(tmp_path):
+def tmpfs(child_processes, tmp_path):
     """`mount(size_bytes)` -> a real filesystem that small (tmpfs; needs root), unmounted afterwards."""
     import subprocess
 

@@ -36,7 +36,7 @@ pointer` inside gloo::transport's Context::Mutator during an all-gather)."""
 
 
 @pytest.fixture(scope="module")
-def two_rank_run(tiny_model, tmp_path_factory):
+def two_rank_run(child_processes, tiny_model, tmp_path_factory):
     for attempt in range(2):  # a second launch only after a gloo abort, said on stderr
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))

@@ -34,7 +34,7 @@ def torchrun_node(hosts: TwoHosts, rank: int, model: Path, out: Path) -> list[st
 
 
 @pytest.fixture(scope="module")
-def two_node_run(tiny_model, tmp_path_factory):
+def two_node_run(launcher, tiny_model, tmp_path_factory):
     out = tmp_path_factory.mktemp("nodes")
     with TwoHosts("torchrun") as hosts:
         procs = []

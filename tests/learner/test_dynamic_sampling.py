@@ -25,7 +25,7 @@ SPEC = (f"rewarder.spec={{name: parity, functions: [{{type: file, path: {REWARD_
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_model, tmp_path_factory):
+def stack(child_processes, tiny_model, tmp_path_factory):
     root = tmp_path_factory.mktemp("dapo")
     announce, control = fixed_port(), fixed_port()
     weights = [f"weights.announce_port={announce}", f"weights.control_port={control}", "weights.pause_mode=keep"]

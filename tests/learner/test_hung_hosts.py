@@ -48,7 +48,8 @@ def assert_each_once(event: dict, tag: str, n: int) -> None:
 
 
 @pytest.mark.skipif(shutil.which("iptables") is None, reason="iptables drops the partitioned host's packets")
-def test_a_partitioned_host_is_left_while_it_drops_packets_and_used_again_once_they_flow(tiny_model, tmp_path):
+def test_a_partitioned_host_is_left_while_it_drops_packets_and_used_again_once_they_flow(launcher, tiny_model,
+                                                                                          tmp_path):
     with TwoHosts("partition") as hosts:
         a_address, b_address = "127.0.0.1:50071", f"{hosts.b.address}:50072"
         procs = [sampler(hosts.a.command, tiny_model, "127.0.0.1", 50071, "r0", tmp_path / "sampler-a.log"),

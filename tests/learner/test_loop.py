@@ -27,7 +27,7 @@ from dgrpo.v1 import learner_pb2, learner_pb2_grpc, sampler_pb2
 
 pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
-def stack(tiny_model, tmp_path_factory):
+def stack(child_processes, tiny_model, tmp_path_factory):
     """Rewarder + two sampler replicas subscribed to weight sync on free ports; all started in parallel."""
     root = tmp_path_factory.mktemp("loop")
     with replicas_and_rewarder(tiny_model) as (samplers, rewarder, weights):
@@ -191,7 +191,7 @@ def test_on_end_idle_serves_status_after_stop_and_a_restart_trains_nothing(stack
     assert not (root / "ckpt_idle" / f"step_{ended.step + 1}").exists()
 
 
-def test_rewarder_restart_does_not_lose_a_group(tmp_path):
+def test_rewarder_restart_does_not_lose_a_group(child_processes, tmp_path):
     """A group sent while the rewarder is down is scored once it is back (wait_for_ready + retry)."""
     from dgrpo.learner.reward_client import RewardClient, score_group
 

@@ -43,7 +43,7 @@ def config_file(tmp_path_factory):
         ("learner.rollout.temprature=0.7", "learner.rollout.temprature: unknown key"),
     ],
 )
-def test_bad_configs_fail_at_start_naming_the_key(config_file, override, expected):
+def test_bad_configs_fail_at_start_naming_the_key(child_processes, config_file, override, expected):
     cmd = [sys.executable, "-m", "dgrpo.cli", "learner", "--config", str(config_file), override]
     t0 = time.monotonic()
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=120)

@@ -39,7 +39,7 @@ def manifests(log: str, pattern: str) -> dict[int, str]:
     return {int(v): m for v, m in re.findall(pattern, log)}
 
 
-def test_four_steps_with_samplers_on_another_host(tiny_model, tmp_path):
+def test_four_steps_with_samplers_on_another_host(launcher, tiny_model, tmp_path):
     with TwoHosts("loop") as hosts:
         a, b = hosts.a.address, hosts.b.address
         weights = ["weights.transport=collective", f"weights.host={a}", "weights.collective_timeout_s=20",

@@ -23,7 +23,7 @@ LORA = {"rank": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj", "up_proj"
         "merge_on_sync": False}  # adapter-only sync: auto merges on CPU (test_merge_on_sync_auto_merges_on_cpu_only)
 
 
-def test_lora_run_publishes_adapters_the_sampler_serves(tiny_model, tmp_path):
+def test_lora_run_publishes_adapters_the_sampler_serves(child_processes, tiny_model, tmp_path):
     announce, control = fixed_port(), fixed_port()
     port = free_port()
     root = tmp_path

@@ -37,7 +37,7 @@ char_diversity = runpy.run_path(str(REWARD_FNS))["char_diversity"]  # the reward
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_model, tmp_path_factory):
+def stack(child_processes, tiny_model, tmp_path_factory):
     root = tmp_path_factory.mktemp("observe")
     announce, control = fixed_port(), fixed_port()
     weights = [f"weights.announce_port={announce}", f"weights.control_port={control}"]
@@ -310,7 +310,7 @@ def test_nothing_on_opens_no_port_and_writes_no_file(stack, tmp_path):
     assert "completions, step" not in stderr and "Prometheus" not in stderr
 
 
-def test_a_default_rewarder_listens_on_its_grpc_port_only(tmp_path):
+def test_a_default_rewarder_listens_on_its_grpc_port_only(child_processes, tmp_path):
     """The rewarder with defaults (no metrics_port, no tracing): one listening socket, its gRPC port."""
     port = free_port()
     rewarder = ServiceProcess("rewarder", [f"rewarder.port={port}", "rewarder.workers=1"], port)

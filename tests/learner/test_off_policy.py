@@ -317,7 +317,7 @@ def _rank_sums(rank: int, port: int, out: str) -> None:
         shutdown_distributed()
 
 
-def test_is_weight_max_is_the_maximum_over_ranks(tmp_path):
+def test_is_weight_max_is_the_maximum_over_ranks(child_processes, tmp_path):
     """Two gloo ranks: the sums add up in the one all-reduce, is_weight_max takes the other rank's larger value."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -64,7 +64,7 @@ def test_check_paths(tmp_path):
 
 
 @pytest.mark.slow
-def test_reload_is_confined_to_the_allowed_folders_over_grpc(tmp_path, tiny_reward_model):
+def test_reload_is_confined_to_the_allowed_folders_over_grpc(child_processes, tmp_path, tiny_reward_model):
     rewards, outside = tmp_path / "rewards", tmp_path / "outside"
     rewards.mkdir()
     outside.mkdir()

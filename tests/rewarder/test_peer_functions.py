@@ -115,7 +115,7 @@ def verl_group(completions, ground_truth="72"):
                       })
 
 
-def test_verl_compute_score_file_in_verls_spelling(tmp_path):
+def test_verl_compute_score_file_in_verls_spelling(child_processes, tmp_path):
     path = tmp_path / "verl_reward.py"
     path.write_text(VERL_FILE)
     functions = [
@@ -135,7 +135,7 @@ def test_verl_compute_score_file_in_verls_spelling(tmp_path):
     assert none.breakdown["compute_score"] == 0.0 and none.breakdown["example/formatted"] == 0.0  # verl's int 0
 
 
-def test_verl_errors_name_the_file_and_line(tmp_path):
+def test_verl_errors_name_the_file_and_line(child_processes, tmp_path):
     path = tmp_path / "verl_reward.py"
     path.write_text(VERL_FILE)
     fn = {"type": "python", "path": str(path), "name": "bad_score"}
@@ -150,7 +150,7 @@ def test_verl_errors_name_the_file_and_line(tmp_path):
     assert "reward_model.ground_truth" in missing.groups[0][0].message
 
 
-def test_trl_keywords_booleans_and_none(tmp_path):
+def test_trl_keywords_booleans_and_none(child_processes, tmp_path):
     path = tmp_path / "trl_rewards.py"
     path.write_text(TRL_FILE)
     file = {"type": "file", "path": str(path)}
@@ -174,7 +174,7 @@ def test_trl_keywords_booleans_and_none(tmp_path):
     assert not mixed.groups[0][0].no_reward and mixed.groups[0][0].reward == 1.0
 
 
-def test_package_with_relative_imports(tmp_path):
+def test_package_with_relative_imports(child_processes, tmp_path):
     pkg = tmp_path / "my_rewards"
     (pkg / "scoring").mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
@@ -201,7 +201,7 @@ def test_package_with_relative_imports(tmp_path):
         run(limited.start())
 
 
-def test_module_functions_and_who_may_name_them(tmp_path, monkeypatch):
+def test_module_functions_and_who_may_name_them(child_processes, tmp_path, monkeypatch):
     lib = tmp_path / "site"
     (lib / "acme_rewards").mkdir(parents=True)
     (lib / "acme_rewards" / "__init__.py").write_text("")
@@ -261,7 +261,7 @@ async def _score_over_grpc(config: RewarderConfig, group, state=None):
         await server.stop(0)
 
 
-def test_over_grpc_with_the_learner_client(tmp_path):
+def test_over_grpc_with_the_learner_client(child_processes, tmp_path):
     """trainer_state, completion_ids, log_metric and NO_REWARD through the protos, learner client to real server."""
     from dgrpo.learner.reward_client import score_group
     from dgrpo.v1 import rewarder_pb2
@@ -283,7 +283,7 @@ def test_over_grpc_with_the_learner_client(tmp_path):
     assert reward.rewards == [3.0, 3.0]  # the group mean of the valid rewards, as for errors
 
 
-def test_multi_turn_conversations_reach_the_functions(tmp_path):
+def test_multi_turn_conversations_reach_the_functions(child_processes, tmp_path):
     """Multi-turn completions (the sampler's turns after the prompt, tool calls and results included) reach TRL-style
     functions as message lists over the protos; rules and verl's compute_score read the last assistant turn, also
     when the conversation was cut off after a tool result."""

@@ -24,7 +24,7 @@ def run(coro):
     return asyncio.run(coro)
 
 
-def test_trl_file_async_none_chat_and_weights(reward_file):
+def test_trl_file_async_none_chat_and_weights(child_processes, reward_file):
     async def scenario():
         scorer = make_scorer([
             {"type": "math_verify", "weight": 2.0},
@@ -59,7 +59,7 @@ def test_trl_file_async_none_chat_and_weights(reward_file):
     assert "'answer' is missing" in chat.groups[0][0].message
 
 
-def test_conversational_format_reaches_user_functions(reward_file):
+def test_conversational_format_reaches_user_functions(child_processes, reward_file):
     async def scenario():
         scorer = make_scorer([file_fn(reward_file, "conversational")], workers=1)
         await scorer.start()
@@ -71,7 +71,7 @@ def test_conversational_format_reaches_user_functions(reward_file):
     assert [s.reward for s in run(scenario()).groups[0]] == [1.0, 1.0]
 
 
-def test_failures_are_per_completion_and_the_pool_heals(reward_file):
+def test_failures_are_per_completion_and_the_pool_heals(child_processes, reward_file):
     from prometheus_client import REGISTRY
 
     def timeouts(function: str) -> float:
@@ -119,7 +119,7 @@ def test_failures_are_per_completion_and_the_pool_heals(reward_file):
     assert [s.ok for s in again.groups[0]] == [False, False, False, True]
 
 
-def test_error_policies(reward_file):
+def test_error_policies(child_processes, reward_file):
     async def scenario(policy):
         scorer = make_scorer([{"type": "length"}, file_fn(reward_file, "raises"), file_fn(reward_file, "wrong_count")],
                              workers=1, on_error=policy)
@@ -155,7 +155,7 @@ def test_malformed_requests(reward_file):
             scorer.validate(groups, group_size=2 if message == "group_size is 2" else 0)
 
 
-def test_reload_under_load_zero_failures_and_right_attribution(tmp_path):
+def test_reload_under_load_zero_failures_and_right_attribution(child_processes, tmp_path):
     slow_const = (
         "import time\ndef reward_func(prompts, completions, **kw):\n    time.sleep(0.02)\n"
         "    return [{v}] * len(completions)\n"
@@ -219,7 +219,7 @@ def test_reload_under_load_zero_failures_and_right_attribution(tmp_path):
         assert all(s.ok and s.reward == expected for g in r.groups for s in g)
 
 
-def test_reward_model_batching_truncation_and_service(tiny_reward_model):
+def test_reward_model_batching_truncation_and_service(child_processes, tiny_reward_model):
     from dgrpo.rewarder.config import ModelFunction
     from dgrpo.rewarder.reward_model import RewardModel
 

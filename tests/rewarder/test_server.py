@@ -143,7 +143,7 @@ def test_rewarder_service_end_to_end(tmp_path, service_factory, free_port):
     assert "rewarder stopped" in svc.logs()
 
 
-def test_help_lists_the_rewarder_options():
+def test_help_lists_the_rewarder_options(child_processes):
     import subprocess
     import sys
 

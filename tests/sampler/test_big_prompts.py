@@ -23,7 +23,7 @@ def test_default_char_bound_is_16_chars_per_token_of_max_model_len():
     assert SamplerConfig(max_model_len=64, max_prompt_chars=10).prompt_char_limit == 10
 
 
-def test_health_answers_while_a_huge_prompt_is_tokenized(tiny_model):
+def test_health_answers_while_a_huge_prompt_is_tokenized(child_processes, tiny_model):
     """The char bound raised so that a 6M-character prompt reaches the tokenizer (seconds of work): meanwhile health
     checks answer at once, and the prompt is then refused as too long for the model, naming it."""
     port = free_port()

@@ -106,7 +106,7 @@ def tools_file(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def rig(bundled_model, tools_file):
+def rig(child_processes, bundled_model, tools_file):
     from dgrpo.common import devices
     from dgrpo.common.model_config import ModelConfig
     from dgrpo.tools.config import MultiTurnConfig

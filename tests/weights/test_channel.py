@@ -76,7 +76,7 @@ class Peer(EventProcess):
 
 
 @pytest.fixture(scope="module")
-def spare_peers(tmp_path_factory):
+def spare_peers(child_processes, tmp_path_factory):
     """Peers started one ahead of the test that takes them: torch's import (seconds on two busy cores) then overlaps
     the previous test instead of adding to each one."""
     folder, peers = tmp_path_factory.mktemp("peers"), []

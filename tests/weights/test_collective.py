@@ -84,7 +84,7 @@ class Run:
 
 
 @pytest.fixture
-def run(tmp_path):
+def run(launcher, tmp_path):
     runs: list[Run] = []
 
     def start(shapes=SMALL, **overrides) -> Run:

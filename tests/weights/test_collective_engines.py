@@ -55,7 +55,7 @@ def wait_log(proc: EventProcess, text: str, timeout: float) -> None:
         time.sleep(0.5)
 
 
-def test_two_vllm_replicas_on_a_remote_host_follow_every_version_through_one_relay(weights_model, tmp_path):
+def test_two_vllm_replicas_on_a_remote_host_follow_every_version_through_one_relay(launcher, weights_model, tmp_path):
     with TwoHosts("engines", shm_mb=2048) as hosts:
         cfg = WeightSyncConfig(transport="collective", host=hosts.a.address, bind_host=hosts.a.address,
                                collective_timeout_s=10.0)

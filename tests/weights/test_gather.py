@@ -45,7 +45,7 @@ RANK_SCRIPT = textwrap.dedent('''
 ''')
 
 
-def test_fsdp2_full_tensors_equal_the_unsharded_weights(tmp_path):
+def test_fsdp2_full_tensors_equal_the_unsharded_weights(child_processes, tmp_path):
     from support import free_port
 
     script = tmp_path / "rank.py"

@@ -54,7 +54,7 @@ class Learners:
 
 
 @pytest.fixture(scope="module")
-def stack(weights_model, hf_model):
+def stack(child_processes, weights_model, hf_model):
     """Learner-side publishers that have published v1, then two replicas started after it (shm and tcp)."""
     pub = Learners()
     base = {k: v.clone() for k, v in hf_model.state_dict().items()}

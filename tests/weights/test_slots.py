@@ -310,7 +310,7 @@ def test_corrupted_bytes_fail_the_checksum(sync_cfg):
             reader_of(ann, cfg).verify()
 
 
-def test_segments_left_by_a_killed_learner_are_reclaimed(sync_cfg, segments_of, tmp_path):
+def test_segments_left_by_a_killed_learner_are_reclaimed(child_processes, sync_cfg, segments_of, tmp_path):
     cfg = sync_cfg()
     code = (
         "import os, signal, torch\n"
@@ -327,7 +327,7 @@ def test_segments_left_by_a_killed_learner_are_reclaimed(sync_cfg, segments_of, 
         assert segments_of(proc.pid) == []
 
 
-def test_segments_are_removed_at_exit_without_close(sync_cfg, segments_of):
+def test_segments_are_removed_at_exit_without_close(child_processes, sync_cfg, segments_of):
     cfg = sync_cfg()
     code = (
         "import torch\n"
