@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import multiprocessing.process
 import os
-import re
 import subprocess
 
 import pytest
@@ -99,19 +98,20 @@ def pytest_runtest_makereport(item, call):
 
 
 def what_starts(argv) -> str | None:
-    """The kind of expensive thing a command starts, for the per-module table (scripts/test_report.py)."""
+    """The kind of expensive thing a command starts, for the per-module table (scripts/test_report.py) and the guard.
+    Read from whole argv words, so a path that merely contains `run` or `up` is not taken for a subcommand."""
     words = argv.split() if isinstance(argv, str) else [os.fspath(a) for a in argv]
-    line = " ".join(words)
     tool = os.path.basename(words[0]) if words else ""
-    if re.search(r"dgrpo(\.cli)?\s+up\b|scripts/run\.sh", line):
+    after = {words[i + 1] for i, w in enumerate(words[:-1]) if w in ("dgrpo", "dgrpo.cli") or w.endswith("/dgrpo")}
+    if "up" in after or any(w.endswith("scripts/run.sh") for w in words):
         return "stacks"
-    if re.search(r"dgrpo\.cli\s+sampler\b", line):
+    if "sampler" in after:
         return "engines"
-    if re.search(r"dgrpo\.cli\s+(rewarder|learner)\b", line):
+    if after & {"rewarder", "learner"}:
         return "services"
-    if re.search(r"deploy/build\.sh", line) or (tool == "docker" and len(words) > 1 and words[1] == "build"):
+    if any(w.endswith("deploy/build.sh") for w in words) or (tool == "docker" and words[1:2] == ["build"]):
         return "images"
-    if tool in ("docker", "docker-compose") and re.search(r"\b(up|run|start|create)\b", line):
+    if tool in ("docker", "docker-compose") and set(words[1:]) & {"up", "run", "start", "create"}:
         return "containers"
     if tool == "ip" and "netns" in words and "add" in words:
         return "netns"
