@@ -1,10 +1,10 @@
-"""`docker compose up` for real: the CPU images, two then three then one sampler replicas, a killed sampler, both
+"""`docker compose up` for real: the CPU images, one then two then one sampler replicas, a killed sampler, both
 reward hot swaps, a learner that crashes and is restarted by its policy, the learner stopped from the host, and
 `down -v` leaving nothing behind. (The shipped demo config, and a learner killed by `docker kill`:
 test_compose_demo.py.)
 
 One run of deploy/docker-compose.yml as a user starts it (only variables and a config file of our own: the tiny
-model instead of SmolLM2 so that three vLLM replicas and the learner fit on 2 cores, long completions so a step
+model instead of SmolLM2 so that two vLLM replicas and the learner fit on 2 cores, long completions so a step
 spends seconds sampling, no step limit: the test stops the learner). Every claim is read from what the stack
 reports: Docker's health status (the gRPC health probe), the learner's metrics.jsonl (groups per replica, retried
 prompts, reward spec version and functions per step), the learner's Status RPC, a sampler's Info RPC.
@@ -67,42 +67,43 @@ def test_compose_up_scaled_with_faults(docker_ready, tiny_model, tmp_path):
 
 def _phases(stack: Stack, timings: dict[str, float]) -> None:
     t = time.monotonic()
-    # 1. Two replicas; every container healthy through the gRPC probe; both replicas serve groups.
-    stack("up", "-d", "--scale", "sampler=2", timeout=900)
+    # 1. One replica; every container healthy through the gRPC probe; the replica serves groups.
+    stack("up", "-d", timeout=900)
     cids = {s: stack.containers(s) for s in ("rewarder", "learner", "sampler")}
-    assert len(cids["sampler"]) == 2 and len(cids["learner"]) == 1 and len(cids["rewarder"]) == 1, cids
+    assert len(cids["sampler"]) == 1 and len(cids["learner"]) == 1 and len(cids["rewarder"]) == 1, cids
     stack.wait_healthy([c for ids in cids.values() for c in ids])
-    timings["healthy_2_replicas"] = time.monotonic() - t
-    # (In one step or over several: with two replicas on 2 cores the rollout's straggler watch often hedges one's
-    # prompts on the other, and the first complete group wins.)
-    served: set[str] = set()
-    two = stack.wait_step(lambda r: bool(served.update(replicas(r))) or len(served) == 2,
-                          "with groups from both replicas")
-    timings["first_step_on_2"] = time.monotonic() - t
+    timings["healthy"] = time.monotonic() - t
+    first = stack.wait_step(lambda r: len(replicas(r)) == 1, "with groups from the replica")
+    timings["first_step"] = time.monotonic() - t
     # The holder's /dev/shm (what the learner and every sampler map) holds the weight slots, named with the PID
     # namespace all of them share.
     learner = cids["learner"][0]
     holder = stack.note_namespaces()
     assert stack.slots(learner) and all(stack.shm_pidns in s for s in stack.slots(learner)), stack.slots(learner)
-    for sampler in cids["sampler"]:
-        assert stack.slots(sampler) == stack.slots(learner), f"sampler {sampler[:12]} does not see the slots"
+    assert stack.slots(cids["sampler"][0]) == stack.slots(learner), "the sampler does not see the slots"
     assert inspect(holder, "{{.HostConfig.IpcMode}}") == "shareable"
 
-    # 2. Scale to 3 while training: the new replica holds the latest weights when it turns healthy, then serves.
+    # 2. Scale to 2 while training: the new replica maps the same slots, holds the latest weights when it turns
+    # healthy, then serves groups next to the first. (One engine more, not two: three replicas and the learner on
+    # 2 cores proved nothing two do not, at minutes per start-up.)
     version_before = stack.learner_rpc("Status").weight_version
     assert version_before >= 1, "the learner has published no weights yet"
-    stack("up", "-d", "--no-deps", "--no-recreate", "--scale", "sampler=3", "sampler", timeout=600)
+    stack("up", "-d", "--no-deps", "--no-recreate", "--scale", "sampler=2", "sampler", timeout=600)
     new = [c for c in stack.containers("sampler") if c not in cids["sampler"]]
     assert len(new) == 1, new
     t = time.monotonic()
     stack.wait_healthy(new)
     info = stack.sampler_info(new[0])
-    timings["third_replica_healthy"] = time.monotonic() - t
+    timings["second_replica_healthy"] = time.monotonic() - t
     assert info["weight_version"] >= version_before, (info, version_before)
-    three = stack.wait_step(lambda r: info["replica_id"] in replicas(r), "with groups from the new replica",
-                            after=two["step"])
-    assert len(replicas(three)) >= 2
-    timings["third_replica_serving"] = time.monotonic() - t
+    assert stack.slots(new[0]) == stack.slots(learner), f"sampler {new[0][:12]} does not see the slots"
+    # (In one step or over several: with two replicas on 2 cores the rollout's straggler watch often hedges one's
+    # prompts on the other, and the first complete group wins.)
+    served: set[str] = set()
+    stack.wait_step(lambda r: bool(served.update(replicas(r))) or len(served) == 2,
+                    "with groups from both replicas", after=first["step"])
+    assert info["replica_id"] in served
+    timings["second_replica_serving"] = time.monotonic() - t
     t = time.monotonic()
 
     # 3. Kill a sampler while the learner samples: its prompts are retried elsewhere, training goes on. The victim
