@@ -62,6 +62,22 @@ async def rollout(client: RolloutClient, cfg: RolloutConfig, tag: str, stats: Ro
     return [g async for g in client.generate(batch, sampling_params(cfg), stats=stats)]
 
 
+def timed_rollout(services: list[ScriptedService], cfg: RolloutConfig, tag: str,
+                  stats: RolloutStats) -> tuple[list[sampler_pb2.Group], float]:
+    """One batch through a fresh client over `services`; its groups and the seconds it took."""
+
+    async def scenario():
+        client = RolloutClient([s.address for s in services], cfg)
+        try:
+            start = time.monotonic()
+            groups = await rollout(client, cfg, tag, stats)
+            return groups, time.monotonic() - start
+        finally:
+            await client.close()
+
+    return asyncio.run(scenario())
+
+
 def check_groups(groups: list[sampler_pb2.Group], tag: str, cfg: RolloutConfig, prompts: int = 8) -> None:
     """Each prompt's group exactly once, and each a group as the real sampler streams it."""
     assert sorted(g.prompt_id for g in groups) == sorted(f"{tag}-{i}" for i in range(prompts))
@@ -94,17 +110,7 @@ def test_a_straggler_is_hedged_on_the_idle_fast_replica(child_processes, replica
     fast, slow = replicas({"replica_id": "r0", "rate": 200}, {"replica_id": "r1", "rate": 8})
     cfg = config(max_response_length=24, hedge_after_s=0.3, straggler_speed=None)  # idle hedging alone
     stats = RolloutStats()
-
-    async def scenario():
-        client = RolloutClient([fast.address, slow.address], cfg)
-        try:
-            start = time.monotonic()
-            groups = await rollout(client, cfg, "idle", stats)
-            return groups, time.monotonic() - start
-        finally:
-            await client.close()
-
-    groups, took = asyncio.run(scenario())
+    groups, took = timed_rollout([fast, slow], cfg, "idle", stats)
     check_groups(groups, "idle", cfg)
     assert stats.hedged_prompts >= 1 and stats.groups_by_replica["r0"] > 4, stats
     assert took < 24 / 8, f"{took:.1f}s: the step waited for the straggler"
@@ -121,17 +127,7 @@ def test_the_straggler_watch_hedges_on_the_busy_replica(child_processes, replica
     fast, slow = replicas({"replica_id": "r0", "rate": 50}, {"replica_id": "r1", **slow_script})
     cfg = config(max_response_length=80, hedge_after_s=20.0, straggler_speed=0.5, straggler_check_s=0.2)
     stats = RolloutStats()
-
-    async def scenario():
-        client = RolloutClient([fast.address, slow.address], cfg)
-        try:
-            start = time.monotonic()
-            groups = await rollout(client, cfg, "watch", stats)
-            return groups, time.monotonic() - start
-        finally:
-            await client.close()
-
-    groups, took = asyncio.run(scenario())
+    groups, took = timed_rollout([fast, slow], cfg, "watch", stats)
     check_groups(groups, "watch", cfg)
     assert took < cfg.hedge_after_s, f"{took:.1f}s: the hedge waited for r0 to go idle"
     assert stats.hedged_prompts == 4 and by_replica(groups) == {"r0": {f"watch-{i}" for i in range(8)}}, stats
