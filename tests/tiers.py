@@ -26,6 +26,7 @@ TIME_LIMITS = {"unit": 120, "integration": 300, "e2e": 480}
 # What only an e2e test starts (what_starts below): a stack through a launcher, containers or an image build, a
 # network namespace (a simulated host), a batch scheduler.
 _LAUNCHES = {"stacks", "containers", "images", "netns", "schedulers"}
+_TIER = pytest.StashKey[str]()
 
 
 @pytest.fixture(scope="session")
@@ -61,27 +62,32 @@ def pytest_collection_modifyitems(config, items):
         if by_hand:
             raise pytest.UsageError(f"{item.nodeid}: marked {by_hand[0]!r} by hand; tiers follow from the fixtures "
                                     "a test requests (tests/tiers.py)")
-        tier = tier_of(getattr(item, "fixturenames", ()))
+        tier = item.stash[_TIER] = tier_of(getattr(item, "fixturenames", ()))
         item.add_marker(getattr(pytest.mark, tier))
         item.user_properties.append(("tier", tier))
         if item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(TIME_LIMITS[tier]))
     # Cheapest first: a run of several tiers reports a broken unit before it starts an engine.
-    items.sort(key=lambda item: TIERS.index(tier_of(getattr(item, "fixturenames", ()))))
+    items.sort(key=lambda item: TIERS.index(item.stash[_TIER]))
 
 
 # ---- the guard ----------------------------------------------------------------------------------------------------
 
-_running: dict = {"nodeid": None, "tier": None, "item": None, "violations": []}
+_running: dict = {"item": None, "violations": []}
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    _running.update(nodeid=item.nodeid, tier=tier_of(getattr(item, "fixturenames", ())), item=item, violations=[])
+    _running.update(item=item, violations=[])
     try:
         yield
     finally:
-        _running.update(nodeid=None, tier=None, item=None, violations=[])
+        _running.update(item=None, violations=[])
+
+
+def _running_tier() -> str | None:
+    item = _running["item"]
+    return item.stash.get(_TIER, None) if item is not None else None
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -131,18 +137,18 @@ def _count(kind: str | None) -> None:
 
 
 def _check_unit(what: str) -> None:
-    if _running["tier"] == "unit":
+    if _running_tier() == "unit":
         _running["violations"].append(
-            f"{_running['nodeid']} is a unit test (it requests neither `child_processes` nor `launcher`) and started "
-            f"{what}: request `child_processes` (or a fixture that does) to make it an integration test "
+            f"{_running['item'].nodeid} is a unit test (it requests neither `child_processes` nor `launcher`) and "
+            f"started {what}: request `child_processes` (or a fixture that does) to make it an integration test "
             "(docs/testing.md)")
 
 
-def _check_integration(argv) -> None:
-    if _running["tier"] == "integration" and what_starts(argv) in _LAUNCHES:
+def _check_integration(argv, kind: str | None) -> None:
+    if _running_tier() == "integration" and kind in _LAUNCHES:
         words = argv.split() if isinstance(argv, str) else [os.fspath(a) for a in argv]
         _running["violations"].append(
-            f"{_running['nodeid']} is an integration test and ran a launcher's command ({' '.join(words)[:120]}): "
+            f"{_running['item'].nodeid} is an integration test and ran a launcher's command ({' '.join(words)[:120]}): "
             "request `launcher` (or a fixture that does) to make it e2e (docs/testing.md)")
 
 
@@ -154,8 +160,9 @@ def _install_guard() -> None:
 
     def guarded_execute_child(self, args, *rest, **kwargs):
         _check_unit(f"a process ({args if isinstance(args, str) else ' '.join(map(os.fspath, args))})"[:200])
-        _check_integration(args)
-        _count(what_starts(args))
+        kind = what_starts(args)  # read once: the guard and the count both need it
+        _check_integration(args, kind)
+        _count(kind)
         return execute_child(self, args, *rest, **kwargs)
 
     subprocess.Popen._execute_child = guarded_execute_child
