@@ -99,7 +99,8 @@ async def all_rounds(healthy, slow, token_ids: list[int], args) -> tuple[dict, d
     """Every layout's (seconds, hedged prompts) per round. One rollout client per layout for all rounds, as the
     learner holds one for a run (what it learned about a straggler in one step is there in the next)."""
     from dgrpo.cli.procs import group_pids
-    from dgrpo.learner.rollout import RolloutClient, RolloutConfig
+    from dgrpo.learner.config import RolloutConfig
+    from dgrpo.learner.rollout import RolloutClient
 
     both = [healthy.address, slow.address]
     clients = {"healthy alone": RolloutClient([healthy.address], RolloutConfig())}

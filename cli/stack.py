@@ -11,10 +11,10 @@ import logging
 
 from pydantic import Field
 
-from dgrpo.common.auth import AuthConfig
+from dgrpo.common.auth_config import AuthConfig
 from dgrpo.common.config import ConfigError, StrictConfig
 from dgrpo.common.model_config import ModelConfig
-from dgrpo.common.tracing import TracingConfig
+from dgrpo.common.tracing_config import TracingConfig
 from dgrpo.learner.config import LearnerConfig, LearnerRunConfig
 from dgrpo.rewarder.config import RewarderConfig
 from dgrpo.sampler.config import SamplerConfig

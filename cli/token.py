@@ -15,7 +15,7 @@ import secrets
 import sys
 from pathlib import Path
 
-from dgrpo.common.auth import TOKEN_ENV, AuthConfig
+from dgrpo.common.auth_config import TOKEN_ENV, AuthConfig
 from dgrpo.common.config import ConfigError
 
 

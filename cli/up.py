@@ -42,7 +42,7 @@ from dgrpo.cli import procs
 from dgrpo.cli.hang_watch import HangWatch
 from dgrpo.cli.terminal import Progress, worth_showing
 from dgrpo.common import devices
-from dgrpo.common.auth import TOKEN_ENV
+from dgrpo.common.auth_config import TOKEN_ENV
 from dgrpo.common.config import ConfigError, load_config, to_yaml
 from dgrpo.common.preflight import check_folder, pick_free_ports
 
@@ -140,9 +140,10 @@ class Stack:
     def _health_channel(self, address: str):
         from dgrpo.cli.stack import StackConfig
         from dgrpo.common import auth
+        from dgrpo.common.auth_config import Credentials
 
         tls = load_config(StackConfig, self.config_path).auth.tls.material()  # with auth.tls, health is TLS too
-        return auth.health_channel(address, auth.Credentials(tls=tls))
+        return auth.health_channel(address, Credentials(tls=tls))
 
     def wait_serving(self, svc: Service, timeout: float) -> None:
         from dgrpo.common.auth import not_serving

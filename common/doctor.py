@@ -432,8 +432,9 @@ def check_shm(service: str, cfg: Any, params: int | None) -> Finding | None:
 def _health(address: str, tls: Any, timeout: float) -> str | None:
     """None when `address` answers gRPC health SERVING, else why not."""
     from dgrpo.common import auth
+    from dgrpo.common.auth_config import Credentials
 
-    with auth.health_channel(address, auth.Credentials(tls=tls)) as channel:
+    with auth.health_channel(address, Credentials(tls=tls)) as channel:
         return auth.not_serving(channel, timeout)
 
 

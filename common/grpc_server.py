@@ -151,7 +151,7 @@ def create_server(
     credentials: grpc.ServerCredentials | None = None,
 ) -> GrpcServer:
     """A server with `servicer` (registered by its generated `add_*Servicer_to_server`), health and reflection,
-    bound to host:port, with TLS when `credentials` are given (`auth.Credentials.server_credentials()`; health and
+    bound to host:port, with TLS when `credentials` are given (`auth.server_credentials(...)`; health and
     reflection then answer over TLS too). `config_key` names the setting of the port in a BindError. Not started:
     call `start()`."""
     server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[*interceptors, ParseInterceptor()])

@@ -37,9 +37,9 @@ from dgrpo.learner.distributed import (
     shard_model,
 )
 from dgrpo.learner.step_sums import StepSums
+from dgrpo.weights.config import LoraConfig
 from dgrpo.weights.gather import DEFAULT_BUCKET_BYTES, full_tensors
 from dgrpo.weights.gather import layout as full_layout
-from dgrpo.weights.lora import LoraConfig
 
 log = logging.getLogger("dgrpo.learner")
 

@@ -1,4 +1,5 @@
-"""Configuration of the training side of the learner: the actor, its optimizer, the GRPO algorithm, checkpoints.
+"""Configuration of the training side of the learner: the actor, its optimizer, the GRPO algorithm (with DAPO's
+`overlong_buffer` and `filter_groups`, which learner/dapo.py applies), checkpoints.
 
 Kept apart from learner/actor.py and learner/grpo.py on purpose: the CLI validates the whole config before
 it imports torch (`--help` and config errors answer in about a second), so this module imports only pydantic.
@@ -15,7 +16,6 @@ from pydantic import Field, field_validator, model_validator
 
 from dgrpo.common import devices
 from dgrpo.common.config import StrictConfig
-from dgrpo.learner.dapo import FilterGroupsConfig, OverlongBufferConfig
 
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 # TRL's GRPOConfig.loss_type names accepted for loss_agg (docs/peers.md states what differs).
@@ -53,6 +53,50 @@ class MaskedIS:
 OffPolicyCorrection = TruncatedIS | MaskedIS | None
 """The off-policy correction as one typed variant (None: off), built from the config's keys by
 `AlgorithmConfig.correction`: the loss code takes this, never the separate keys."""
+
+
+class OverlongBufferConfig(StrictConfig):
+    """DAPO's overlong reward shaping (verl: `reward_model.overlong_buffer`, or
+    `reward_model.reward_kwargs.overlong_buffer_cfg` with `reward_manager=dapo`)."""
+
+    enable: bool = False
+    """Add the length penalty to every scored completion's reward."""
+    len: int = Field(default=0, ge=0)
+    """Tokens of the buffer before the maximum length: a completion of L tokens gets
+    min(-(L - (max - len)) / len x penalty_factor, 0)."""
+    penalty_factor: float = Field(default=1.0, ge=0)
+    """The penalty at the maximum length (DAPO: 1.0)."""
+    max_response_length: int | None = Field(default=None, ge=1)
+    """The maximum the buffer ends at (verl's `max_resp_len`). Unset: learner.rollout.max_response_length."""
+
+    @model_validator(mode="after")
+    def _check(self) -> OverlongBufferConfig:
+        if self.enable and self.len <= 0:
+            raise ValueError("overlong_buffer.len must be positive when overlong_buffer.enable is true (verl asserts "
+                             "the same); to turn the penalty off set enable: false")
+        if self.max_response_length is not None and self.len > self.max_response_length:
+            raise ValueError(f"overlong_buffer.len={self.len} exceeds overlong_buffer.max_response_length="
+                             f"{self.max_response_length}")
+        return self
+
+
+class FilterGroupsConfig(StrictConfig):
+    """DAPO's dynamic sampling (verl: `algorithm.filter_groups`)."""
+
+    enable: bool = False
+    """Drop groups whose `metric` is the same for every completion, and sample other prompts in their place until
+    the step has learner.data.train_batch_size informative groups."""
+    metric: str = "acc"
+    """What must differ within a group. `acc`: a breakdown value named `acc` (a verl compute_score returning
+    {"score", "acc", ...}), else a built-in 0/1 check (math_verify, exact_match), else the score. `score`: the
+    rewarder's reward before the overlong penalty. `reward` (verl's `seq_reward` / `seq_final_reward`): the final
+    reward. Any other name: the reward breakdown entry of that name (or ending in `/name`)."""
+    max_num_gen_batches: int = Field(default=0, ge=0)
+    """Cap: at most this many generation batches (of gen_batch_size prompts) sampled for one step; reaching it with
+    too few informative groups stops training with an error, as in verl (0: no cap)."""
+    gen_batch_size: int | None = Field(default=None, ge=1)
+    """Prompts per generation batch, the unit of the cap (verl's `data.gen_batch_size`). Unset:
+    learner.data.train_batch_size. Sampling itself asks only for the prompts still missing."""
 
 
 class AlgorithmConfig(StrictConfig):

@@ -1,9 +1,10 @@
 """Learner configuration: the sections of `learner:` assembled, and the checks that span them.
 
-Each section lives next to its component (data.py, rollout.py, actor_config.py); the trainer section is here because
-it belongs to the loop, and loop.py imports torch while the config must validate before torch is imported
-(`dgrpo learner --help` and config errors answer in about a second). Checks that need the sampler section as well
-(prompt + response must fit the sampler's context) are in cli/stack.py's `StackConfig.check_whole_stack`.
+The sections live in schema-only modules, never in the code that uses them: data, rollout and trainer here,
+actor, optim, algorithm and checkpoint in actor_config.py. The config must validate before torch or grpc is imported
+(`dgrpo learner --help` and config errors answer in about a second), while rollout.py imports grpc and loop.py
+torch; tests/test_layout.py checks it. Checks that need the sampler section as well (prompt + response must fit the
+sampler's context) are in cli/stack.py's `StackConfig.check_whole_stack`.
 
 `LearnerRunConfig` is what one learner process is handed: its own section and the shared ones it reads, cut from the
 stack config by `dgrpo` (cli/), which the learner cannot import (services depend on common code only).
@@ -16,17 +17,124 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, model_validator
 
-from dgrpo.common.auth import AuthConfig
+from dgrpo.common.auth_config import AuthConfig
 from dgrpo.common.config import StrictConfig
 from dgrpo.common.model_config import ModelConfig
-from dgrpo.common.tracing import TracingConfig
+from dgrpo.common.tracing_config import TracingConfig
 from dgrpo.learner.actor_config import ActorConfig, AlgorithmConfig, CheckpointConfig, OptimConfig
-from dgrpo.learner.data import DataConfig
-from dgrpo.learner.rollout import RolloutConfig
-from dgrpo.weights.config import WeightSyncConfig
-from dgrpo.weights.lora import LoraConfig
+from dgrpo.tools.config import MultiTurnConfig
+from dgrpo.weights.config import LoraConfig, WeightSyncConfig
 
 Logger = Literal["console", "jsonl", "tensorboard", "wandb", "mlflow"]
+
+
+class DataConfig(StrictConfig):
+    """Training and validation prompts."""
+
+    train_files: list[str] = Field(default_factory=list)
+    """Training data: local .parquet or .jsonl files (one format per list), read with `datasets`."""
+    val_files: list[str] = Field(default_factory=list)
+    """Validation data, same format; scored greedily every `trainer.test_freq` steps (empty: no validation)."""
+    prompt_key: str = "prompt"
+    """Column holding the prompt: a string, or chat messages (a list of {role, content}). With the default, a file
+    without a `prompt` column but with `messages` (a conversation) uses that, minus its trailing assistant turns."""
+    apply_chat_template: bool = True
+    """Render string prompts as one user turn with the model's chat template (chat messages always are)."""
+    max_prompt_length: int = Field(default=512, ge=1)
+    """Longest prompt in tokens, after the chat template."""
+    overlong_prompts: Literal["drop", "truncate"] = "drop"
+    """What happens to longer prompts: drop the row, or keep its last `max_prompt_length` tokens (the end holds
+    the question and the generation prompt). Either way the count is logged and reported in the metrics."""
+    train_batch_size: int = Field(default=8, ge=1)
+    """Prompts per training step (each sampled `rollout.n` times)."""
+    shuffle: bool = True
+    """Shuffle the training prompts each epoch (a new permutation per epoch, seeded)."""
+    seed: int = 0
+    """Seed of the shuffle: the same seed gives the same order, epoch by epoch, across runs and resumes."""
+    max_train_samples: int | None = Field(default=None, ge=1)
+    """Use only the first N training rows (unset: all)."""
+    max_val_samples: int | None = Field(default=None, ge=1)
+    """Use only the first N validation rows (unset: all)."""
+
+
+class RolloutConfig(StrictConfig):
+    """Sampling: group size, sampling parameters, and how the learner talks to the replicas and the rewarder."""
+
+    n: int = Field(default=4, ge=2)
+    """Group size: completions sampled per prompt. GRPO's advantage compares them, so at least 2."""
+    temperature: float = Field(default=1.0, gt=0)
+    """Sampling temperature (> 0: GRPO needs diverse groups; validation is always greedy)."""
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    """Nucleus sampling mass (1: off)."""
+    top_k: int = Field(default=0, ge=0)
+    """Keep the k most likely tokens (0: off)."""
+    min_p: float = Field(default=0.0, ge=0, le=1)
+    """Drop tokens below min_p times the top probability (0: off)."""
+    max_response_length: int = Field(default=256, ge=1)
+    """New tokens per completion."""
+    stop: list[str] = Field(default_factory=list)
+    """Extra stop strings (the model's EOS always stops)."""
+    seed: int | None = None
+    """Base seed of the sampler requests (the step number is added, so steps differ). Unset: unseeded."""
+    prompts_per_request: int | None = Field(default=None, ge=1)
+    """Prompts per Generate call. Unset: the step's batch split evenly over the replicas (one call each, so every
+    engine batches its whole share)."""
+    request_timeout_s: float = Field(default=1800.0, gt=0)
+    """Bound on one Generate call; a call past it is retried elsewhere."""
+    weight_wait_timeout_s: float = Field(default=0.0, ge=0)
+    """How long a replica may wait to load `min_weight_version` before the call is retried elsewhere
+    (0: the replica's `sampler.weight_wait_timeout_s`)."""
+    retry_backoff_s: float = Field(default=0.5, gt=0)
+    """First wait before a replica that failed is probed again; doubles per failure up to `max_backoff_s`."""
+    max_backoff_s: float = Field(default=10.0, gt=0)
+    """Longest wait between probes of one replica."""
+    keepalive_s: float = Field(default=10.0, gt=0)
+    """HTTP/2 keepalive ping interval on the sampler and rewarder channels. A peer that does not answer a ping
+    within `keepalive_timeout_s` (a frozen process, a host whose packets are dropped) has its connection closed and
+    its calls fail, instead of hanging until `request_timeout_s`."""
+    keepalive_timeout_s: float = Field(default=5.0, gt=0)
+    """How long a keepalive ping may go unanswered."""
+    progress_timeout_s: float = Field(default=60.0, gt=0)
+    """A replica that holds prompts and has neither delivered a group nor advanced its engine (Info's
+    engine_steps, checked every half of this) for this long, or has not answered two such checks, is declared
+    stuck: its call is cancelled and its prompts go to the other replicas. Replicas generating long completions
+    keep stepping, so they are not."""
+    probe_timeout_s: float = Field(default=5.0, gt=0)
+    """Bound on one Info probe: of a quiet call's replica, and of an unhealthy replica before it gets prompts
+    again (it must answer with the weight version asked for)."""
+    hedge_after_s: float | None = Field(default=2.0, gt=0)
+    """Hedged requests ("The Tail at Scale", Dean & Barroso 2013): a replica left with nothing to do while another
+    still holds prompts of the step duplicates those prompts once it has waited this long and at least
+    `hedge_after_share` of the batch's sampling time so far; the first complete group wins, the late one is dropped
+    (rollout/duplicates_dropped) and a call whose prompts are all done elsewhere is cancelled. A straggler then no
+    longer sets every step's pace. null: never hedge."""
+    hedge_after_share: float = Field(default=0.25, ge=0)
+    """The idle wait before a hedge, as a share of the time the batch has been sampling: replicas of equal speed
+    finish their chunks within a fraction of each other, so only one at least this much slower than the idle
+    replica is hedged, at every batch length (seconds on a small model, minutes on a large one). 0: `hedge_after_s`
+    alone."""
+    straggler_speed: float | None = Field(default=0.5, gt=0, lt=1)
+    """A replica holding prompts whose engine steps slower than this share of the fastest replica's, at two checks
+    in a row, is a straggler: its pending prompts are hedged at once on the fastest healthy replica, busy or not
+    (its engine batches them with its own work), instead of after that replica has finished its chunk and waited
+    `hedge_after_s` (learner/stragglers.py). null: hedge from idle replicas only. Off with `hedge_after_s: null`."""
+    straggler_check_s: float = Field(default=0.25, gt=0)
+    """How often the engine step counters (Info's engine_steps) of the replicas holding prompts are read."""
+    max_staleness: int = Field(default=0, ge=0, le=16)
+    """Asynchronous GRPO (learner/pipeline.py): how many versions behind the policy being updated a sample may
+    be. 0: lockstep, on-policy (sample, then train, then publish). k >= 1: batches t+1 ... t+k are sampled and
+    scored while batch t trains, so the samplers never wait for the update; a group sampled by weights older than
+    (current version - k) is never trained on. Pair it with weights.pause_mode=keep (updates land between engine
+    steps without draining the requests in flight) and the algorithm.off_policy correction (docs/learner.md)."""
+    step_timeout_s: float = Field(default=3600.0, gt=0)
+    """Give up (and stop training with an error) when a step's groups are not all in after this long."""
+    rewarder_address: str = "localhost:50052"
+    """The reward service: host:port (or any gRPC target, e.g. dns:///rewarder:50052)."""
+    reward_timeout_s: float = Field(default=600.0, gt=0)
+    """Bound on scoring one group, waits for a restarting rewarder included."""
+    multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig)
+    """Multi-turn rollouts with tool calls (verl's rollout.multi_turn; docs/multi_turn.md). The samplers read this
+    same section of their stack config to load the tools; the learner sends the limits and the tool set's digest."""
 
 
 class TrainerConfig(StrictConfig):

@@ -11,7 +11,8 @@ import math
 from dataclasses import dataclass, field
 
 from dgrpo.common import grpc_server
-from dgrpo.common.auth import Credentials, server_interceptors
+from dgrpo.common.auth import server_credentials, server_interceptors
+from dgrpo.common.auth_config import Credentials
 from dgrpo.common.logs import printable
 from dgrpo.v1 import learner_pb2, learner_pb2_grpc
 
@@ -76,7 +77,7 @@ async def start_control_server(state: LoopState, host: str, port: int,
         LearnerServicer(state), learner_pb2_grpc.add_LearnerServicer_to_server, SERVICE_NAME, host=host, port=port,
         config_key="learner.trainer.control_port",
         interceptors=server_interceptors(creds.token, host=host, config_key="learner.trainer.control_host"),
-        credentials=creds.server_credentials())
+        credentials=server_credentials(creds))
     await server.start()
     await server.set_serving(True)
     log.info("learner control service on %s:%d (Status, Stop; health, reflection)", host, server.port)

@@ -12,7 +12,8 @@ Scale"), as verl's DAPO recipe implements them: overlong reward shaping and dyna
   replacement is requested as soon as the group is scored, while the rest of the batch is still being sampled
   (the rollout streams groups), so no informative group is sampled only to be discarded.
 
-This module imports no torch: the config validates before torch is imported.
+The settings, `OverlongBufferConfig` and `FilterGroupsConfig`, are in learner/actor_config.py with the rest of
+`learner.algorithm`.
 """
 
 from __future__ import annotations
@@ -24,9 +25,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import Field, model_validator
-
-from dgrpo.common.config import StrictConfig
+from dgrpo.learner.actor_config import OverlongBufferConfig
 from dgrpo.learner.rollout import RolloutError
 
 # Reward breakdown names that are 0/1 correctness checks (the built-ins), for metric `acc`.
@@ -34,50 +33,6 @@ ACCURACY_FUNCTIONS = ("math_verify", "exact_match", "accuracy", "correct")
 REWARD_METRICS = ("reward", "seq_reward", "seq_final_reward")
 """Metric names meaning the completion's final reward (rewarder's reward + overlong penalty): verl's `seq_reward` and
 `seq_final_reward` are the same value when the KL is not in the reward (dgrpo keeps it in the loss)."""
-
-
-class OverlongBufferConfig(StrictConfig):
-    """DAPO's overlong reward shaping (verl: `reward_model.overlong_buffer`, or
-    `reward_model.reward_kwargs.overlong_buffer_cfg` with `reward_manager=dapo`)."""
-
-    enable: bool = False
-    """Add the length penalty to every scored completion's reward."""
-    len: int = Field(default=0, ge=0)
-    """Tokens of the buffer before the maximum length: a completion of L tokens gets
-    min(-(L - (max - len)) / len x penalty_factor, 0)."""
-    penalty_factor: float = Field(default=1.0, ge=0)
-    """The penalty at the maximum length (DAPO: 1.0)."""
-    max_response_length: int | None = Field(default=None, ge=1)
-    """The maximum the buffer ends at (verl's `max_resp_len`). Unset: learner.rollout.max_response_length."""
-
-    @model_validator(mode="after")
-    def _check(self) -> OverlongBufferConfig:
-        if self.enable and self.len <= 0:
-            raise ValueError("overlong_buffer.len must be positive when overlong_buffer.enable is true (verl asserts "
-                             "the same); to turn the penalty off set enable: false")
-        if self.max_response_length is not None and self.len > self.max_response_length:
-            raise ValueError(f"overlong_buffer.len={self.len} exceeds overlong_buffer.max_response_length="
-                             f"{self.max_response_length}")
-        return self
-
-
-class FilterGroupsConfig(StrictConfig):
-    """DAPO's dynamic sampling (verl: `algorithm.filter_groups`)."""
-
-    enable: bool = False
-    """Drop groups whose `metric` is the same for every completion, and sample other prompts in their place until
-    the step has learner.data.train_batch_size informative groups."""
-    metric: str = "acc"
-    """What must differ within a group. `acc`: a breakdown value named `acc` (a verl compute_score returning
-    {"score", "acc", ...}), else a built-in 0/1 check (math_verify, exact_match), else the score. `score`: the
-    rewarder's reward before the overlong penalty. `reward` (verl's `seq_reward` / `seq_final_reward`): the final
-    reward. Any other name: the reward breakdown entry of that name (or ending in `/name`)."""
-    max_num_gen_batches: int = Field(default=0, ge=0)
-    """Cap: at most this many generation batches (of gen_batch_size prompts) sampled for one step; reaching it with
-    too few informative groups stops training with an error, as in verl (0: no cap)."""
-    gen_batch_size: int | None = Field(default=None, ge=1)
-    """Prompts per generation batch, the unit of the cap (verl's `data.gen_batch_size`). Unset:
-    learner.data.train_batch_size. Sampling itself asks only for the prompts still missing."""
 
 
 def overlong_penalty(length: int, max_len: int, buffer_len: int, factor: float) -> float:

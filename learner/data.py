@@ -18,44 +18,14 @@ import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import Field
-
-from dgrpo.common.config import ConfigError, StrictConfig
+from dgrpo.common.config import ConfigError
+from dgrpo.learner.config import DataConfig
 
 log = logging.getLogger(__name__)
 
 FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json"}
-
-
-class DataConfig(StrictConfig):
-    """Training and validation prompts."""
-
-    train_files: list[str] = Field(default_factory=list)
-    """Training data: local .parquet or .jsonl files (one format per list), read with `datasets`."""
-    val_files: list[str] = Field(default_factory=list)
-    """Validation data, same format; scored greedily every `trainer.test_freq` steps (empty: no validation)."""
-    prompt_key: str = "prompt"
-    """Column holding the prompt: a string, or chat messages (a list of {role, content}). With the default, a file
-    without a `prompt` column but with `messages` (a conversation) uses that, minus its trailing assistant turns."""
-    apply_chat_template: bool = True
-    """Render string prompts as one user turn with the model's chat template (chat messages always are)."""
-    max_prompt_length: int = Field(default=512, ge=1)
-    """Longest prompt in tokens, after the chat template."""
-    overlong_prompts: Literal["drop", "truncate"] = "drop"
-    """What happens to longer prompts: drop the row, or keep its last `max_prompt_length` tokens (the end holds
-    the question and the generation prompt). Either way the count is logged and reported in the metrics."""
-    train_batch_size: int = Field(default=8, ge=1)
-    """Prompts per training step (each sampled `rollout.n` times)."""
-    shuffle: bool = True
-    """Shuffle the training prompts each epoch (a new permutation per epoch, seeded)."""
-    seed: int = 0
-    """Seed of the shuffle: the same seed gives the same order, epoch by epoch, across runs and resumes."""
-    max_train_samples: int | None = Field(default=None, ge=1)
-    """Use only the first N training rows (unset: all)."""
-    max_val_samples: int | None = Field(default=None, ge=1)
-    """Use only the first N validation rows (unset: all)."""
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,8 @@ from contextlib import contextmanager
 import torch
 
 from dgrpo.common.config import ConfigError
+from dgrpo.weights.config import LoraConfig
 from dgrpo.weights.gather import DEFAULT_BUCKET_BYTES, full_tensors
-from dgrpo.weights.lora import LoraConfig
 
 log = logging.getLogger(__name__)
 

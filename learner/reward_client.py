@@ -22,6 +22,7 @@ import grpc
 from google.protobuf import struct_pb2
 
 from dgrpo.common import auth, tracing
+from dgrpo.common.auth_config import Credentials
 from dgrpo.common.grpc_server import keepalive_options
 from dgrpo.common.retry import Backoff
 from dgrpo.learner.rollout import CLIENT_OPTIONS
@@ -99,7 +100,7 @@ class RewardClient:
     """Scores groups against one rewarder address, surviving its restarts."""
 
     def __init__(self, address: str, *, timeout_s: float, retry_backoff_s: float = 0.5, max_backoff_s: float = 5.0,
-                 credentials: auth.Credentials | None = None, keepalive_s: float = 10.0,
+                 credentials: Credentials | None = None, keepalive_s: float = 10.0,
                  keepalive_timeout_s: float = 5.0):
         """`keepalive_s` / `keepalive_timeout_s` (rollout's): a frozen or cut-off rewarder fails the calls in flight
         within their sum, and they are retried (waiting for it to come back) instead of hanging to the deadline."""

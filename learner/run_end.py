@@ -17,7 +17,7 @@ import os
 import signal
 from pathlib import Path
 
-from dgrpo.common.auth import Credentials
+from dgrpo.common.auth_config import Credentials
 from dgrpo.learner.control import LoopState, start_control_server
 
 log = logging.getLogger(__name__)

@@ -13,9 +13,10 @@ import signal
 import grpc
 
 from dgrpo.common import grpc_server, tracing
-from dgrpo.common.auth import AuthConfig, Credentials, server_interceptors
+from dgrpo.common.auth import server_credentials, server_interceptors
+from dgrpo.common.auth_config import AuthConfig, Credentials
 from dgrpo.common.logs import printable, setup_logging
-from dgrpo.common.tracing import TracingConfig
+from dgrpo.common.tracing_config import TracingConfig
 from dgrpo.rewarder import convert, metrics
 from dgrpo.rewarder.config import RewarderConfig
 from dgrpo.rewarder.scorer import NotReady, RequestError, Scorer, ScoringFailed
@@ -82,7 +83,7 @@ def create_server(config: RewarderConfig,
         RewarderServicer(scorer), rewarder_pb2_grpc.add_RewarderServicer_to_server, SERVICE_NAME,
         host=config.host, port=config.port, config_key="rewarder.port",
         interceptors=server_interceptors(creds.token, host=config.host, config_key="rewarder.host"),
-        credentials=creds.server_credentials(),
+        credentials=server_credentials(creds),
     )
     return server, scorer
 

@@ -30,7 +30,7 @@ from dgrpo.sampler.requests import (
     check_wait,
     validate_sampling,
 )
-from dgrpo.weights.lora import LoraConfig
+from dgrpo.weights.config import LoraConfig
 
 if TYPE_CHECKING:
     from dgrpo.sampler.multi_turn import Message, MultiTurnRequest, ToolConversations, TurnStats

@@ -15,13 +15,13 @@ import socket
 from typing import TYPE_CHECKING
 
 from dgrpo.common import devices, grpc_server, tracing
-from dgrpo.common.auth import AuthConfig, Credentials, server_interceptors
+from dgrpo.common.auth import server_credentials, server_interceptors
+from dgrpo.common.auth_config import AuthConfig, Credentials
 from dgrpo.common.logs import setup_logging
 from dgrpo.common.model_config import ModelConfig
-from dgrpo.common.tracing import TracingConfig
+from dgrpo.common.tracing_config import TracingConfig
 from dgrpo.sampler.config import SamplerConfig
-from dgrpo.weights.config import WeightSyncConfig
-from dgrpo.weights.lora import LoraConfig
+from dgrpo.weights.config import LoraConfig, WeightSyncConfig
 
 if TYPE_CHECKING:
     from dgrpo.sampler.servicer import SamplerServicer
@@ -64,7 +64,7 @@ def create_server(config: SamplerConfig,
                                        host=config.host, port=config.port, config_key="sampler.port",
                                        interceptors=server_interceptors(creds.token, host=config.host,
                                                                         config_key="sampler.host"),
-                                       credentials=creds.server_credentials())
+                                       credentials=server_credentials(creds))
     return server, servicer
 
 

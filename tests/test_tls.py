@@ -24,7 +24,7 @@ from cryptography.x509.oid import NameOID
 from dgrpo.cli.stack import StackConfig
 from dgrpo.cli.up import Service, Stack
 from dgrpo.common import auth
-from dgrpo.common.auth import TOKEN_ENV, AuthConfig, Credentials, TlsMaterial
+from dgrpo.common.auth_config import TOKEN_ENV, AuthConfig, Credentials, TlsMaterial
 from dgrpo.common.config import ConfigError, load_config
 from dgrpo.learner.control import LoopState, start_control_server
 from dgrpo.learner.reward_client import RewardClient, score_group

@@ -8,7 +8,7 @@ from otlp_support import OtlpReceiver
 
 from dgrpo.common import tracing
 from dgrpo.common.config import ConfigError
-from dgrpo.common.tracing import TracingConfig
+from dgrpo.common.tracing_config import TracingConfig
 
 
 def test_off_is_a_no_op():

@@ -15,8 +15,8 @@ from dgrpo.learner.actor import Actor, lr_factor
 from dgrpo.learner.actor_config import ActorConfig, AlgorithmConfig, OptimConfig
 from dgrpo.learner.batch import Sequence, collate, collate_shared_prompts, split_by_tokens, split_groups_by_tokens
 from dgrpo.learner.compute_copy import ComputeCopy
+from dgrpo.weights.config import LoraConfig
 from dgrpo.weights.gather import full_tensors
-from dgrpo.weights.lora import LoraConfig
 
 
 def make_seqs(n: int = 8, seed: int = 0, groups: bool = False) -> list[Sequence]:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from dgrpo.learner import dapo
-from dgrpo.learner.dapo import FilterGroupsConfig, OverlongBufferConfig
+from dgrpo.learner.actor_config import FilterGroupsConfig, OverlongBufferConfig
 from dgrpo.learner.reward_client import GroupReward
 from dgrpo.learner.rollout import RolloutStats
 

@@ -7,7 +7,8 @@ import json
 import pytest
 
 from dgrpo.common.config import ConfigError
-from dgrpo.learner.data import DataConfig, PromptStream, check_files, load_prompts, tokenize_prompt
+from dgrpo.learner.config import DataConfig
+from dgrpo.learner.data import PromptStream, check_files, load_prompts, tokenize_prompt
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,8 @@ import pytest
 from support import ServiceProcess, free_port
 
 from dgrpo.cli.procs import group_pids
-from dgrpo.learner.rollout import RolloutClient, RolloutConfig, RolloutStats, make_prompt
+from dgrpo.learner.config import RolloutConfig
+from dgrpo.learner.rollout import RolloutClient, RolloutStats, make_prompt
 from dgrpo.v1 import sampler_pb2
 
 pytestmark = pytest.mark.slow

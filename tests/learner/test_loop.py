@@ -220,7 +220,8 @@ def test_rewarder_restart_does_not_lose_a_group(child_processes, tmp_path):
 
 def test_replica_killed_mid_step_loses_and_duplicates_nothing(stack):
     """SIGKILL one replica while its stream is open: its unfinished prompts are resampled on the other one."""
-    from dgrpo.learner.rollout import RolloutClient, RolloutConfig, RolloutStats, make_prompt
+    from dgrpo.learner.config import RolloutConfig
+    from dgrpo.learner.rollout import RolloutClient, RolloutStats, make_prompt
 
     victim, survivor = stack["samplers"]
     prompts = [make_prompt(f"p{i}", [1, 2, 3, 10 + i]) for i in range(8)]

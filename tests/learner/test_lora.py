@@ -12,7 +12,8 @@ from dgrpo.learner import checkpoint as ckpt
 from dgrpo.learner.actor import Actor
 from dgrpo.learner.actor_config import ActorConfig, AlgorithmConfig, CheckpointConfig, OptimConfig
 from dgrpo.learner.batch import Sequence
-from dgrpo.weights.lora import LoraConfig, check_adapter
+from dgrpo.weights.config import LoraConfig
+from dgrpo.weights.lora import check_adapter
 
 pytest.importorskip("peft")
 LORA = LoraConfig(rank=4, alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], merge_on_sync=False)

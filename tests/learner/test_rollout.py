@@ -7,8 +7,9 @@ import asyncio
 import pytest
 from support import free_port
 
+from dgrpo.learner.config import RolloutConfig
 from dgrpo.learner.reward_client import RewardClient, score_group
-from dgrpo.learner.rollout import RolloutClient, RolloutConfig, RolloutError, make_prompt, resolve_addresses
+from dgrpo.learner.rollout import RolloutClient, RolloutError, make_prompt, resolve_addresses
 from dgrpo.v1 import rewarder_pb2, sampler_pb2
 
 

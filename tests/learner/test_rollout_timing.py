@@ -18,7 +18,8 @@ from collections import Counter
 import pytest
 from scripted_services import ScriptedService, start_all
 
-from dgrpo.learner.rollout import RolloutClient, RolloutConfig, RolloutStats, make_prompt, sampling_params
+from dgrpo.learner.config import RolloutConfig
+from dgrpo.learner.rollout import RolloutClient, RolloutStats, make_prompt, sampling_params
 from dgrpo.v1 import sampler_pb2
 
 PROMPT = list(range(100, 116))

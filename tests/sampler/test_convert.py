@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from dgrpo.learner.rollout import RolloutConfig, make_prompt, sampling_params
+from dgrpo.learner.config import RolloutConfig
+from dgrpo.learner.rollout import make_prompt, sampling_params
 from dgrpo.sampler.convert import group_to_pb, prompt_from_pb, sampling_from_pb
 from dgrpo.sampler.engine import CompletionResult, GroupResult
 from dgrpo.sampler.requests import SamplingRequest

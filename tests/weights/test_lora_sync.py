@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from dgrpo.weights.lora import LoraConfig
+from dgrpo.weights.config import LoraConfig
 from dgrpo.weights.publisher import WeightPublisher
 
 pytestmark = pytest.mark.slow
