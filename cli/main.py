@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"dgrpo {args.command}: {e}", file=sys.stderr)
         return 2
-    from dgrpo.common.doctor import SERVICES, report_failures, startup_failures
+    from dgrpo.cli.doctor import SERVICES, report_failures, startup_failures
 
     # The same checks as `dgrpo doctor`, for this service: refuse to start on a FAIL.
     if args.command in SERVICES and report_failures(f"dgrpo {args.command}", startup_failures(cfg, (args.command,))):

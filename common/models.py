@@ -78,6 +78,13 @@ def prepare_bundled_model(target: Path | None = None) -> Path:
     return target
 
 
+def model_dir(path: str | None) -> Path:
+    """The model folder without preparing the bundled model (same rule as the learner's preflight)."""
+    if path:
+        return Path(path).expanduser()
+    return cache_dir() / "models" / BUNDLED_NAME
+
+
 def resolve_model_path(path: str | None) -> Path:
     """`model.path` -> a local HF folder; None means the bundled model (prepared on first use)."""
     if path is None or path == "":

@@ -18,6 +18,7 @@ from typing import Any
 
 from dgrpo.common import preflight as pf
 from dgrpo.common.config import ConfigError
+from dgrpo.common.models import model_dir
 
 GiB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -369,8 +370,6 @@ class StackPlan:
 def plan_stack(cfg: Any, *, device: str, device_bytes: int | None, learner_ranks: int = 1,
                samplers: int | None = None) -> StackPlan:
     """The plan of `cfg` (a StackConfig) on `device` with `device_bytes` per device (the host's memory on CPU)."""
-    from dgrpo.common.doctor import model_dir
-
     m = read_shape(model_dir(cfg.model.path)) if cfg.model.path else _bundled_shape()
     learner = plan_learner(m, cfg, learner_ranks, device, None if device == "cpu" else device_bytes)
     sampler = plan_sampler(m, cfg, device, None if device == "cpu" else device_bytes)
@@ -413,8 +412,6 @@ def _weight_slots(m: ModelShape, cfg: Any, device: str) -> Term | None:
 
 def _bundled_shape() -> ModelShape:
     """The bundled model's shape, prepared or not (SmolLM2-135M-Instruct's config.json)."""
-    from dgrpo.common.doctor import model_dir
-
     folder = model_dir(None)
     if (folder / "config.json").is_file():
         return read_shape(folder)

@@ -4,9 +4,8 @@ against each other."""
 
 from __future__ import annotations
 
-from dgrpo.sampler.engine import CompletionResult, GroupResult
-from dgrpo.sampler.multi_turn import Message, MultiTurnRequest
-from dgrpo.sampler.requests import PromptInput, SamplingRequest
+from dgrpo.sampler.requests import MultiTurnRequest, PromptInput, SamplingRequest
+from dgrpo.sampler.results import CompletionResult, GroupResult, Message
 from dgrpo.v1 import sampler_pb2 as pb
 
 FINISH_TO_PB = {

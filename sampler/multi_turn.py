@@ -19,13 +19,13 @@ import json
 import logging
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+from dgrpo.sampler.requests import MultiTurnRequest, SamplingRequest
+from dgrpo.sampler.results import CompletionResult, Message, TurnOutput, TurnStats
+
 if TYPE_CHECKING:
-    from dgrpo.sampler.engine import CompletionResult, TurnOutput
-    from dgrpo.sampler.requests import SamplingRequest
     from dgrpo.tools.config import MultiTurnConfig
 
 log = logging.getLogger(__name__)
@@ -71,46 +71,6 @@ class TurnEngine(Protocol):
 
 class ToolsUnavailable(RuntimeError):
     """The request asks for tools this replica does not have (none configured, or another tool set)."""
-
-
-@dataclass
-class MultiTurnRequest:
-    """GenerateRequest.multi_turn in domain form (validated by `ToolConversations.check`)."""
-
-    max_assistant_turns: int = 1
-    max_tool_calls: int = 8
-    max_response_length: int = 0  # 0: sampling.max_tokens
-    max_tool_response_length: int = 0  # 0: no cut here (the sandbox's max_output_chars still applies)
-    tool_config_digest: str = ""
-
-
-@dataclass
-class Message:
-    """One turn of the response (TRL's conversational format)."""
-
-    role: str
-    content: str
-    tool_calls: list[tuple[str, str]] = field(default_factory=list)  # (name, arguments as JSON text)
-    name: str = ""  # tool turns: the tool's name
-
-    def as_dict(self) -> dict:
-        out: dict = {"role": self.role, "content": self.content}
-        if self.tool_calls:
-            out["tool_calls"] = [{"type": "function", "function": {"name": n, "arguments": json.loads(a)}}
-                                 for n, a in self.tool_calls]
-        if self.name:
-            out["name"] = self.name
-        return out
-
-
-@dataclass
-class TurnStats:
-    turns: int = 0
-    tool_calls: int = 0
-    tool_errors: int = 0
-    tool_timeouts: int = 0
-    tool_seconds: float = 0.0
-    ended_by: str = "answer"
 
 
 class ToolTemplate:
@@ -222,7 +182,6 @@ class ToolConversations:
     async def conversation(self, engine: TurnEngine, request_id: str, prompt_ids: list[int],
                            sampling: SamplingRequest, req: MultiTurnRequest, seed: int | None) -> CompletionResult:
         """One sample's whole conversation as one completion with its mask, messages and stats."""
-        from dgrpo.sampler.engine import CompletionResult
         from dgrpo.tools.parser import parse_tool_calls
 
         budget = req.max_response_length or sampling.max_tokens

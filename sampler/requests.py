@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from dgrpo.sampler.multi_turn import MultiTurnRequest, ToolTemplate
+    from dgrpo.sampler.multi_turn import ToolTemplate
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
@@ -45,6 +45,17 @@ class SamplingRequest:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int | None = None
+
+
+@dataclass
+class MultiTurnRequest:
+    """GenerateRequest.multi_turn in domain form (validated by `ToolConversations.check`)."""
+
+    max_assistant_turns: int = 1
+    max_tool_calls: int = 8
+    max_response_length: int = 0  # 0: sampling.max_tokens
+    max_tool_response_length: int = 0  # 0: no cut here (the sandbox's max_output_chars still applies)
+    tool_config_digest: str = ""
 
 
 def check_batch(prompts: Sequence[PromptInput], max_prompts: int) -> None:

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 import tomllib
 
+from dgrpo.cli import doctor
 from dgrpo.cli.stack import StackConfig
-from dgrpo.common import doctor, versions
+from dgrpo.common import versions
 from dgrpo.common.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]

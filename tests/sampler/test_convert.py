@@ -9,8 +9,8 @@ import dataclasses
 from dgrpo.learner.config import RolloutConfig
 from dgrpo.learner.rollout import make_prompt, sampling_params
 from dgrpo.sampler.convert import group_to_pb, prompt_from_pb, sampling_from_pb
-from dgrpo.sampler.engine import CompletionResult, GroupResult
 from dgrpo.sampler.requests import SamplingRequest
+from dgrpo.sampler.results import CompletionResult, GroupResult
 from dgrpo.v1 import sampler_pb2 as pb
 
 

@@ -19,9 +19,10 @@ import yaml
 
 from dgrpo.sampler.config import SamplerConfig
 from dgrpo.sampler.convert import completion_to_pb, multi_turn_from_pb
-from dgrpo.sampler.engine import CompletionResult, SamplerEngine
-from dgrpo.sampler.multi_turn import Message, MultiTurnRequest, ToolsUnavailable, TurnStats
-from dgrpo.sampler.requests import PromptInput, SamplingRequest
+from dgrpo.sampler.engine import SamplerEngine
+from dgrpo.sampler.multi_turn import ToolsUnavailable
+from dgrpo.sampler.requests import MultiTurnRequest, PromptInput, SamplingRequest
+from dgrpo.sampler.results import CompletionResult, Message, TurnStats
 from dgrpo.v1 import sampler_pb2 as pb
 from dgrpo.v1 import sampler_pb2_grpc
 
