@@ -12,10 +12,7 @@ import math
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from dgrpo.sampler.multi_turn import ToolTemplate
+from typing import Protocol
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
@@ -96,6 +93,15 @@ def validate_sampling(s: SamplingRequest, vocab_size: int) -> None:
         raise InvalidRequest(f"sampling.stop_token_ids={bad}: outside the vocabulary (size {vocab_size})")
 
 
+class ToolPrompts(Protocol):
+    """What tokenizing a multi-turn prompt needs of the replica's tools (sampler/multi_turn.py's ToolTemplate): the
+    prompt with the tool instructions in it."""
+
+    def chat_prompt(self, messages: list[dict]) -> list[int]: ...
+
+    def token_prompt(self, ids: list[int]) -> list[int]: ...
+
+
 class PromptTokenizer:
     """Prompts -> token ids with the engine's tokenizer, bounded before and after tokenization, on one thread of its
     own: tokenizing long text takes seconds of CPU, and on the event loop it would stall every other RPC (health
@@ -104,7 +110,7 @@ class PromptTokenizer:
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, prompt_char_limit: int):
         self.tokenizer = tokenizer
         self.vocab_size, self.max_model_len, self.prompt_char_limit = vocab_size, max_model_len, prompt_char_limit
-        self.tool_template: ToolTemplate | None = None
+        self.tool_template: ToolPrompts | None = None
         """The replica's tool instructions (multi-turn requests), set when its tools are loaded."""
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dgrpo-tokenize")
 
