@@ -109,7 +109,7 @@ def _module_imports(name: str) -> tuple[frozenset[str], frozenset[str]]:
     top: set[str] = set()
     nested: set[str] = set()
 
-    def visit(nodes: list[ast.stmt], in_function: bool) -> None:
+    def visit(nodes: list[ast.AST], in_function: bool) -> None:
         for node in nodes:
             if isinstance(node, ast.If) and _is_type_checking(node.test):
                 visit(node.orelse, in_function)
@@ -121,9 +121,9 @@ def _module_imports(name: str) -> tuple[frozenset[str], frozenset[str]]:
                 found.update(f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in _modules() else node.module
                              for a in node.names)
             inner = in_function or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
-            for value in ast.iter_fields(node):
-                if isinstance(value[1], list):
-                    visit([v for v in value[1] if isinstance(v, ast.stmt)], inner)
+            for _, value in ast.iter_fields(node):  # bodies, else branches, except handlers, match cases
+                if isinstance(value, list):
+                    visit([v for v in value if isinstance(v, (ast.stmt, ast.excepthandler, ast.match_case))], inner)
 
     visit(ast.parse(_modules()[name].read_text()).body, False)
     return frozenset(top), frozenset(nested)
