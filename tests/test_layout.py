@@ -105,7 +105,8 @@ def _is_type_checking(test: ast.expr) -> bool:
 @cache
 def _module_imports(name: str) -> tuple[frozenset[str], frozenset[str]]:
     """(top-level, function-level) imports of a module: `from a.b import c` is a.b.c when that is one of our modules,
-    else a.b. Imports under `if TYPE_CHECKING:` are left out: they never run, so they couple no import order."""
+    else a.b (relative imports made absolute). Imports under `if TYPE_CHECKING:` are left out: they never run, so
+    they couple no import order."""
     top: set[str] = set()
     nested: set[str] = set()
 
@@ -117,8 +118,9 @@ def _module_imports(name: str) -> tuple[frozenset[str], frozenset[str]]:
             found = nested if in_function else top
             if isinstance(node, ast.Import):
                 found.update(a.name for a in node.names)
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                found.update(f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in _modules() else node.module
+            elif isinstance(node, ast.ImportFrom):
+                module = _absolute(name, node.module, node.level)
+                found.update(f"{module}.{a.name}" if f"{module}.{a.name}" in _modules() else module
                              for a in node.names)
             inner = in_function or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
             for _, value in ast.iter_fields(node):  # bodies, else branches, except handlers, match cases
@@ -127,6 +129,15 @@ def _module_imports(name: str) -> tuple[frozenset[str], frozenset[str]]:
 
     visit(ast.parse(_modules()[name].read_text()).body, False)
     return frozenset(top), frozenset(nested)
+
+
+def _absolute(importer: str, module: str | None, level: int) -> str:
+    """The absolute name of `from <level dots><module> import ...` in module `importer`."""
+    if level == 0:
+        return module or ""
+    package = importer if _modules()[importer].stem == "__init__" else importer.rpartition(".")[0]
+    base = package.rsplit(".", level - 1)[0] if level > 1 else package
+    return f"{base}.{module}" if module else base
 
 
 def _ours(names) -> set[str]:
