@@ -121,7 +121,6 @@ def _check_ca(path: Path, ca: bytes) -> None:
         raise ConfigError(f"{where} cannot be loaded as CA certificates ({getattr(e, 'reason', None) or e})") from None
 
 
-
 @dataclass(frozen=True)
 class TlsMaterial:
     """PEM bytes read once from auth.tls (kept out of repr: the private key never reaches a log or traceback)."""

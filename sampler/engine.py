@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+
 class WeightVersionTimeout(TimeoutError):
     """`min_weight_version` was not loaded within the wait bound."""
 
