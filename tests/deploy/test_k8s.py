@@ -219,6 +219,8 @@ def test_learner_finds_samplers_and_rewarder_through_headless_services(variant):
         assert not svc["spec"].get("publishNotReadyAddresses"), "replicas still loading must not be in DNS"
     sts = w["sampler"]
     assert sts["spec"]["serviceName"] == "sampler" and sts["spec"]["podManagementPolicy"] == "Parallel"
+    # The replicas each overlay ships (tests/deploy/test_k8s_run.py starts the cpu one at 1 and scales it to 2).
+    assert sts["spec"]["replicas"] == {"cpu": 2, "cuda": 4, "npu": 4}[variant]
     # Weights: each sampler pod's relay reaches the learner pod itself (a headless Service: the collective's group
     # uses ephemeral ports, which a ClusterIP would not forward), and the learner binds its pod address only.
     from dgrpo.weights.config import WeightSyncConfig
