@@ -68,17 +68,23 @@ def _format_errors(err: ValidationError) -> str:
     return "invalid configuration:\n  " + "\n  ".join(lines)
 
 
+def read_yaml_file(path: str | Path, what: str) -> Any:
+    """The YAML document in `path`; ConfigError "<what> '<path>' does not exist" or "... is not valid YAML: ..."."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{what} {str(p)!r} does not exist")
+    try:
+        return yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{what} {str(p)!r} is not valid YAML: {e}") from e
+
+
 def load_config(cls: type[T], path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> T:
     """Build `cls` from an optional YAML file and `key=value` overrides; raise ConfigError naming bad keys."""
     data: dict = {}
     if path is not None:
         p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} does not exist")
-        try:
-            loaded = yaml.safe_load(p.read_text())
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from e
+        loaded = read_yaml_file(p, "config file")
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"config file {str(p)!r} must hold a mapping at the top, not {type(loaded).__name__}")
         data = loaded or {}

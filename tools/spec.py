@@ -24,9 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-import yaml
-
-from dgrpo.common.config import ConfigError
+from dgrpo.common.config import ConfigError, read_yaml_file
 
 BUILTINS = ("calculator", "python")
 # verl class names we can honour with a built-in (unambiguous: same job, same arguments).
@@ -207,12 +205,7 @@ def _spec_from_entry(path: Path, entry: dict) -> ToolSpec:
 def load_tool_config(path: str | Path) -> ToolSet:
     """Read a verl-format tool config; ConfigError names the file and the entry on any problem."""
     p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"tool config {str(p)!r} does not exist")
-    try:
-        data = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as e:
-        raise ConfigError(f"tool config {str(p)!r} is not valid YAML: {e}") from None
+    data = read_yaml_file(p, "tool config")
     if not isinstance(data, dict) or not isinstance(data.get("tools"), list) or not data["tools"]:
         raise ConfigError(f"tool config {str(p)!r} must have a non-empty list under `tools:`")
     if set(data) - {"tools"}:
