@@ -15,7 +15,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from contextlib import contextmanager
 from pathlib import Path
 
 from dgrpo.weights.shm import pid_alive
@@ -116,6 +116,8 @@ class Stack:
         self.compose = [*compose_command(), "-p", self.project, "-f", str(DEPLOY / "docker-compose.yml")]
         self.metrics_file = metrics_file
         self.shm_pidns = self.shm_mount = "unset"  # set by note_namespaces() once the stack runs
+        self.timings: dict[str, float] = {}
+        self.started, self.is_down = time.monotonic(), False
 
     def __call__(self, *args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
         return run([*self.compose, *args], env=self.env, timeout=timeout, check=check)
@@ -237,20 +239,28 @@ class Stack:
         leaked = [n for n in os.listdir("/dev/shm") if self.shm_pidns in n]
         assert not leaked, f"the host's /dev/shm holds the stack's segments {leaked}"
 
-    def run_phases(self, label: str, phases: Callable[[dict[str, float]], None]) -> None:
-        """Run `phases(timings)`; on failure print the containers' logs; always `down -v` (checking that nothing
-        is left) and print the timings under `label`."""
-        timings: dict[str, float] = {}
-        t0 = time.monotonic()
+    @contextmanager
+    def phase(self, name: str):
+        """One phase of a phased run (a module-scoped fixture whose tests each check one property of it): timed
+        into `timings`; on failure the containers' logs are printed, as the fixture's error is all pytest shows."""
+        t = time.monotonic()
         try:
-            phases(timings)
+            yield
         except BaseException:
             logs = self("logs", "--no-color", "--tail", "150", timeout=120, check=False)
             print(logs.stdout[-30000:], file=sys.stderr)
             raise
         finally:
-            try:
-                self.down_and_check_nothing_left()
-            finally:
-                timings["total"] = time.monotonic() - t0
-                print(f"\n[{label}] timings (s): {json.dumps({k: round(v, 1) for k, v in timings.items()})}")
+            self.timings[name] = time.monotonic() - t
+
+    def down(self, label: str) -> None:
+        """`down -v`, once (the last phase or the run fixture's teardown), checking that nothing is left; prints
+        the phases' timings under `label`."""
+        if self.is_down:
+            return
+        self.is_down = True
+        try:
+            self.down_and_check_nothing_left()
+        finally:
+            self.timings["total"] = time.monotonic() - self.started
+            print(f"\n[{label}] timings (s): {json.dumps({k: round(v, 1) for k, v in self.timings.items()})}")

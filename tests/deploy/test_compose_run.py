@@ -5,11 +5,15 @@ test_compose_demo.py.)
 
 One run of deploy/docker-compose.yml as a user starts it (only variables and a config file of our own: the tiny
 model instead of SmolLM2 so that two vLLM replicas and the learner fit on 2 cores, long completions so a step
-spends seconds sampling, no step limit: the test stops the learner). Every claim is read from what the stack
-reports: Docker's health status (the gRPC health probe), the learner's metrics.jsonl (groups per replica, retried
-prompts, reward spec version and functions per step), the learner's Status RPC, a sampler's Info RPC.
+spends seconds sampling, no step limit: the test stops the learner). The run is a chain of module-scoped phase
+fixtures (`one_replica` -> `scaled_up` -> `replica_killed` -> `scaled_down` -> `reloaded` -> `swapped` ->
+`learner_crashed` -> `stopped` -> `downed`), each doing what a user or a fault does and keeping what it saw; every
+test checks one property of one phase, so a broken property is named by its test and the others are still checked.
+Every claim is read from what the stack reports: Docker's health status (the gRPC health probe), the learner's
+metrics.jsonl (groups per replica, retried prompts, reward spec version and functions per step), the learner's
+Status RPC, a sampler's Info RPC.
 
-Needs a Docker daemon (.ci/run starts one when it can). Without one the test is skipped with the reason printed;
+Needs a Docker daemon (.ci/run starts one when it can). Without one the tests are skipped with the reason printed;
 the images are built by deploy/build.sh (cached: a warm build takes seconds).
 """
 
@@ -58,138 +62,242 @@ def tiny_stack(tmp: Path, tiny_model: Path) -> Stack:
     return stack
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(3600)
-def test_compose_up_scaled_with_faults(docker_ready, tiny_model, tmp_path):
-    stack = tiny_stack(tmp_path, tiny_model)
-    stack.run_phases("test_compose_run", lambda timings: _phases(stack, timings))
+# A phase's set-up is its test's: the replica added mid-run takes minutes to start on 2 cores shared with a training
+# learner (240 s in CI), the first phase may build the image (~250 s cold).
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+LABEL = "test_compose_run"
 
 
-def _phases(stack: Stack, timings: dict[str, float]) -> None:
-    t = time.monotonic()
-    # 1. One replica; every container healthy through the gRPC probe; the replica serves groups.
-    stack("up", "-d", timeout=900)
-    cids = {s: stack.containers(s) for s in ("rewarder", "learner", "sampler")}
-    assert len(cids["sampler"]) == 1 and len(cids["learner"]) == 1 and len(cids["rewarder"]) == 1, cids
-    stack.wait_healthy([c for ids in cids.values() for c in ids])
-    timings["healthy"] = time.monotonic() - t
-    first = stack.wait_step(lambda r: len(replicas(r)) == 1, "with groups from the replica")
-    timings["first_step"] = time.monotonic() - t
-    # The holder's /dev/shm (what the learner and every sampler map) holds the weight slots, named with the PID
-    # namespace all of them share.
-    learner = cids["learner"][0]
+@pytest.fixture(scope="module")
+def stack(docker_ready, tiny_model, tmp_path_factory):
+    stack = tiny_stack(tmp_path_factory.mktemp("compose_run"), tiny_model)
+    try:
+        yield stack
+    finally:
+        stack.down(LABEL)
+
+
+@pytest.fixture(scope="module")
+def one_replica(stack):
+    """`up -d` with one replica, every container healthy through its probe, a step on groups from the replica."""
+    with stack.phase("healthy"):
+        stack("up", "-d", timeout=900)
+        cids = {s: stack.containers(s) for s in ("rewarder", "learner", "sampler")}
+        assert len(cids["sampler"]) == 1 and len(cids["learner"]) == 1 and len(cids["rewarder"]) == 1, cids
+        stack.wait_healthy([c for ids in cids.values() for c in ids])
+    with stack.phase("first_step"):
+        first = stack.wait_step(lambda r: len(replicas(r)) == 1, "with groups from the replica")
     holder = stack.note_namespaces()
-    assert stack.slots(learner) and all(stack.shm_pidns in s for s in stack.slots(learner)), stack.slots(learner)
-    assert stack.slots(cids["sampler"][0]) == stack.slots(learner), "the sampler does not see the slots"
-    assert inspect(holder, "{{.HostConfig.IpcMode}}") == "shareable"
+    return {"cids": cids, "first": first, "holder": holder, "health": {c: stack.health(c) for ids in cids.values()
+                                                                     for c in ids}}
 
-    # 2. Scale to 2 while training: the new replica maps the same slots, holds the latest weights when it turns
-    # healthy, then serves groups next to the first. (One engine more, not two: three replicas and the learner on
-    # 2 cores proved nothing two do not, at minutes per start-up.)
-    version_before = stack.learner_rpc("Status").weight_version
-    assert version_before >= 1, "the learner has published no weights yet"
-    stack("up", "-d", "--no-deps", "--no-recreate", "--scale", "sampler=2", "sampler", timeout=600)
-    new = [c for c in stack.containers("sampler") if c not in cids["sampler"]]
-    assert len(new) == 1, new
-    t = time.monotonic()
-    stack.wait_healthy(new)
-    info = stack.sampler_info(new[0])
-    timings["second_replica_healthy"] = time.monotonic() - t
-    assert info["weight_version"] >= version_before, (info, version_before)
-    assert stack.slots(new[0]) == stack.slots(learner), f"sampler {new[0][:12]} does not see the slots"
-    # (In one step or over several: with two replicas on 2 cores the rollout's straggler watch often hedges one's
-    # prompts on the other, and the first complete group wins.)
-    served: set[str] = set()
-    stack.wait_step(lambda r: bool(served.update(replicas(r))) or len(served) == 2,
-                    "with groups from both replicas", after=first["step"])
-    assert info["replica_id"] in served
-    timings["second_replica_serving"] = time.monotonic() - t
-    t = time.monotonic()
 
-    # 3. Kill a sampler while the learner samples: its prompts are retried elsewhere, training goes on. The victim
-    # is the newest replica, the one `--scale sampler=1` removes (a stopped survivor would be started again).
-    victim = new[0]
-    deadline = time.monotonic() + 300
-    while stack.learner_rpc("Status").phase != "sampling":
-        assert time.monotonic() < deadline, "the learner never entered its sampling phase"
-        time.sleep(0.05)
-    killed_during = stack.learner_rpc("Status").step + 1
-    run(["docker", "kill", victim])
-    hit = stack.wait_step(lambda r: r["rollout/failed_calls"] > 0 or r["rollout/retried_prompts"] > 0,
-                          "that saw the killed replica's stream fail", after=killed_during - 1, timeout=300)
-    assert hit["step"] == killed_during, f"the kill during step {killed_during} showed up in step {hit['step']}"
-    stack.wait_step(lambda r: True, "after the kill", after=hit["step"] + 1)
+@pytest.fixture(scope="module")
+def scaled_up(stack, one_replica):
+    """`--scale sampler=2` while training: the new replica's Info when it turns healthy, and the replicas that
+    served groups after it (both, in one step or over several: with two replicas on 2 cores the rollout's straggler
+    watch often hedges one's prompts on the other, and the first complete group wins)."""
+    with stack.phase("second_replica_healthy"):
+        version_before = stack.learner_rpc("Status").weight_version
+        assert version_before >= 1, "the learner has published no weights yet"
+        stack("up", "-d", "--no-deps", "--no-recreate", "--scale", "sampler=2", "sampler", timeout=600)
+        new = [c for c in stack.containers("sampler") if c not in one_replica["cids"]["sampler"]]
+        assert len(new) == 1, new
+        stack.wait_healthy(new)
+        info = stack.sampler_info(new[0])
+    with stack.phase("second_replica_serving"):
+        served: set[str] = set()
+        both = stack.wait_step(lambda r: bool(served.update(replicas(r))) or len(served) == 2,
+                               "with groups from both replicas", after=one_replica["first"]["step"])
+    return {"new": new[0], "info": info, "version_before": version_before, "served": served, "both": both}
 
-    timings["kill_and_recovery"] = time.monotonic() - t
-    t = time.monotonic()
 
-    # 4. Scale down to one replica.
-    stack("up", "-d", "--no-deps", "--no-recreate", "--scale", "sampler=1", "sampler", timeout=600)
-    left = stack.containers("sampler")
-    assert len(left) == 1, left
-    one = stack.wait_step(lambda r: len(replicas(r)) == 1, "on one replica", after=stack.steps()[-1]["step"])
+@pytest.fixture(scope="module")
+def replica_killed(stack, scaled_up):
+    """`docker kill` of the newest replica (the one `--scale sampler=1` removes: a stopped survivor would be started
+    again) while the learner samples; the step that saw it, and one after."""
+    with stack.phase("kill_and_recovery"):
+        deadline = time.monotonic() + 300
+        while stack.learner_rpc("Status").phase != "sampling":
+            assert time.monotonic() < deadline, "the learner never entered its sampling phase"
+            time.sleep(0.05)
+        killed_during = stack.learner_rpc("Status").step + 1
+        run(["docker", "kill", scaled_up["new"]])
+        hit = stack.wait_step(lambda r: r["rollout/failed_calls"] > 0 or r["rollout/retried_prompts"] > 0,
+                              "that saw the killed replica's stream fail", after=killed_during - 1, timeout=300)
+        after = stack.wait_step(lambda r: True, "after the kill", after=hit["step"] + 1)
+    return {"killed_during": killed_during, "hit": hit, "after": after}
 
-    timings["scale_to_1"] = time.monotonic() - t
-    t = time.monotonic()
 
-    # 5a. Reward hot swap in place: edit the spec file, SIGHUP the rewarder; the spec version steps up.
-    first_version = one["reward/spec_version_max"]
-    spec = yaml.safe_load((stack.rewards / "spec.yaml").read_text())
-    spec["name"] = "math-v2"
-    (stack.rewards / "spec.yaml").write_text(yaml.safe_dump(spec))
-    stack("kill", "-s", "SIGHUP", "rewarder")
-    reloaded = stack.wait_step(lambda r: r["reward/spec_version_min"] > first_version, "scored by the reloaded spec",
-                               after=one["step"])
+@pytest.fixture(scope="module")
+def scaled_down(stack, replica_killed):
+    with stack.phase("scale_to_1"):
+        stack("up", "-d", "--no-deps", "--no-recreate", "--scale", "sampler=1", "sampler", timeout=600)
+        left = stack.containers("sampler")
+        one = stack.wait_step(lambda r: len(replicas(r)) == 1, "on one replica", after=stack.steps()[-1]["step"])
+    return {"left": left, "one": one}
 
-    timings["reload_in_place"] = time.monotonic() - t
-    t = time.monotonic()
 
-    # 5b. A second rewarder, then retire the first: steps are scored by spec-next (its `brevity` function).
-    stack("--profile", "swap", "up", "-d", "--no-deps", "rewarder-next", timeout=600)
-    stack.wait_healthy(stack.containers("rewarder-next"), timeout=300)
-    stack("stop", "rewarder", timeout=120)
-    swapped = stack.wait_step(lambda r: "reward/fn/brevity" in r, "scored by rewarder-next", after=reloaded["step"])
-    stack.wait_step(lambda r: True, "after the swap", after=swapped["step"])
+@pytest.fixture(scope="module")
+def reloaded(stack, scaled_down):
+    """The reward spec edited in place and the rewarder sent SIGHUP (docs/deploy.md)."""
+    with stack.phase("reload_in_place"):
+        first_version = scaled_down["one"]["reward/spec_version_max"]
+        spec = yaml.safe_load((stack.rewards / "spec.yaml").read_text())
+        spec["name"] = "math-v2"
+        (stack.rewards / "spec.yaml").write_text(yaml.safe_dump(spec))
+        stack("kill", "-s", "SIGHUP", "rewarder")
+        step = stack.wait_step(lambda r: r["reward/spec_version_min"] > first_version, "scored by the reloaded spec",
+                               after=scaled_down["one"]["step"])
+    return {"first_version": first_version, "step": step}
 
-    timings["second_rewarder"] = time.monotonic() - t
-    t = time.monotonic()
 
-    # 5c. The learner crashes (its process SIGKILLed from the host, as the kernel's OOM killer would): Docker's
-    # on-failure policy restarts the same container, which resumes from its newest checkpoint (save_freq 2) and
-    # publishes to the replica that stayed up; neither the replica's container nor its process restarts.
-    learner, sampler = stack.containers("learner")[0], stack.containers("sampler")[0]
-    sampler_started = inspect(sampler, "{{.State.StartedAt}}")
-    status = stack.wait_phase("sampling", after_step=swapped["step"] + 1)
-    crashed_at, version_before = status.step, status.weight_version
-    os.kill(int(inspect(learner, "{{.State.Pid}}")), signal.SIGKILL)
-    resumed = stack.wait_step(lambda r: r["weights/version"] > version_before, "trained after the restart",
-                              after=crashed_at - crashed_at % 2, timeout=600)
+@pytest.fixture(scope="module")
+def swapped(stack, reloaded):
+    """A second rewarder (profile `swap`, spec-next) started, then the first stopped."""
+    with stack.phase("second_rewarder"):
+        stack("--profile", "swap", "up", "-d", "--no-deps", "rewarder-next", timeout=600)
+        stack.wait_healthy(stack.containers("rewarder-next"), timeout=300)
+        stack("stop", "rewarder", timeout=120)
+        step = stack.wait_step(lambda r: "reward/fn/brevity" in r, "scored by rewarder-next",
+                               after=reloaded["step"]["step"])
+        after = stack.wait_step(lambda r: True, "after the swap", after=step["step"])
+    return {"step": step, "after": after}
+
+
+@pytest.fixture(scope="module")
+def learner_crashed(stack, swapped):
+    """The learner's process SIGKILLed from the host while it samples, as the kernel's OOM killer would (`docker
+    kill` is a manual stop, which no restart policy restarts); the first step it trains after its restart."""
+    with stack.phase("learner_crash_to_resumed_step"):
+        learner, sampler = stack.containers("learner")[0], stack.containers("sampler")[0]
+        sampler_started = inspect(sampler, "{{.State.StartedAt}}")
+        status = stack.wait_phase("sampling", after_step=swapped["step"]["step"] + 1)
+        os.kill(int(inspect(learner, "{{.State.Pid}}")), signal.SIGKILL)
+        resumed = stack.wait_step(lambda r: r["weights/version"] > status.weight_version, "trained after the restart",
+                                  after=status.step - status.step % 2, timeout=600)
+    return {"learner": learner, "sampler": sampler, "sampler_started": sampler_started, "crashed_at": status.step,
+            "resumed": resumed}
+
+
+@pytest.fixture(scope="module")
+def stopped(stack, learner_crashed):
+    """The Stop RPC from the host (the published control port, with the token)."""
+    with stack.phase("stop_rpc_to_exit"):
+        last = stack.learner_rpc("Stop", reason="compose test").stopping_after_step
+        learner = stack.containers("learner")[0]
+        code = stack.wait_exit(learner, timeout=300)
+    return {"last": last, "learner": learner, "code": code, "steps": stack.steps()}
+
+
+# 1. One replica
+
+
+def test_every_container_turns_healthy_through_its_grpc_probe(one_replica):
+    assert all(state == "running healthy" for state in one_replica["health"].values()), one_replica["health"]
+
+
+def test_learner_and_sampler_map_the_weight_slots_of_the_shared_memory_holder(stack, one_replica):
+    """The holder's /dev/shm (what the learner and every sampler map) holds the weight slots, named with the PID
+    namespace all of them share."""
+    learner, sampler = one_replica["cids"]["learner"][0], one_replica["cids"]["sampler"][0]
+    slots = stack.slots(learner)
+    assert slots and all(stack.shm_pidns in s for s in slots), slots
+    assert stack.slots(sampler) == slots, "the sampler does not see the slots"
+    assert inspect(one_replica["holder"], "{{.HostConfig.IpcMode}}") == "shareable"
+
+
+# 2. Scaled to two replicas while training (one engine more, not two: three replicas and the learner on 2 cores
+# proved nothing two do not, at minutes per start-up)
+
+
+def test_a_replica_added_mid_run_holds_the_latest_weights_when_healthy(scaled_up):
+    assert scaled_up["info"]["weight_version"] >= scaled_up["version_before"], scaled_up
+
+
+def test_the_added_replica_maps_the_same_weight_slots(stack, one_replica, scaled_up):
+    assert stack.slots(scaled_up["new"]) == stack.slots(one_replica["cids"]["learner"][0])
+
+
+def test_both_replicas_serve_groups(scaled_up):
+    assert len(scaled_up["served"]) == 2 and scaled_up["info"]["replica_id"] in scaled_up["served"], scaled_up
+
+
+# 3. A replica killed mid-sampling
+
+
+def test_a_killed_replicas_prompts_are_retried_in_the_step_it_died_in(replica_killed):
+    hit = replica_killed["hit"]
+    assert hit["step"] == replica_killed["killed_during"], \
+        f"the kill during step {replica_killed['killed_during']} showed up in step {hit['step']}"
+    print(f"\n[{LABEL}] kill in step {hit['step']}: {hit['rollout/failed_calls']:.0f} failed calls, "
+          f"{hit['rollout/retried_prompts']:.0f} prompts retried, groups {replicas(hit)}")
+
+
+# 4. Scaled down
+
+
+def test_scaling_down_leaves_one_replica_serving_every_group(scaled_down):
+    assert len(scaled_down["left"]) == 1, scaled_down["left"]
+    assert sum(replicas(scaled_down["one"]).values()) == BATCH
+
+
+# 5. Reward hot swaps
+
+
+def test_sighup_reloads_the_edited_reward_spec(reloaded):
+    assert reloaded["step"]["reward/spec_version_min"] > reloaded["first_version"]
+
+
+def test_a_second_rewarder_takes_over_from_the_first(swapped):
+    """spec-next's `brevity` function scores the steps once rewarder-next serves and the first is stopped."""
+    assert "reward/fn/brevity" in swapped["after"], sorted(swapped["after"])
+
+
+# 6. The learner crashes
+
+
+def test_a_crashed_learner_is_restarted_by_its_policy_and_resumes_from_its_checkpoint(stack, learner_crashed):
+    """Docker's on-failure policy restarts the same container, which resumes from its newest checkpoint
+    (save_freq 2) and trains on."""
+    learner, crashed_at = learner_crashed["learner"], learner_crashed["crashed_at"]
     assert stack.containers("learner") == [learner] and int(inspect(learner, "{{.RestartCount}}")) >= 1
     logs = run(["docker", "logs", learner]).stderr
-    assert f"resumed from /opt/dgrpo/runs/checkpoints/step_{crashed_at - crashed_at % 2} at step " \
-           f"{crashed_at - crashed_at % 2}" in logs, logs[-3000:]
-    assert stack.containers("sampler") == [sampler] and inspect(sampler, "{{.State.StartedAt}}") == sampler_started
-    assert replicas(resumed) == {stack.sampler_info(sampler)["replica_id"]: BATCH}
-    assert stack.sampler_info(sampler)["weight_version"] >= resumed["weights/version"]
-    timings["learner_crash_to_resumed_step"] = time.monotonic() - t
-    t = time.monotonic()
+    resumed_from = crashed_at - crashed_at % 2
+    assert f"resumed from /opt/dgrpo/runs/checkpoints/step_{resumed_from} at step {resumed_from}" in logs, \
+        logs[-3000:]
 
-    # Every step so far: consecutive, exactly BATCH groups, none duplicated into training.
-    steps = stack.steps()
-    print(f"\n[test_compose_run] kill in step {hit['step']}: {hit['rollout/failed_calls']:.0f} failed calls, "
-          f"{hit['rollout/retried_prompts']:.0f} prompts retried, groups {replicas(hit)}; spec version "
-          f"{first_version:.0f} -> {reloaded['reward/spec_version_min']:.0f} at step {reloaded['step']} (SIGHUP), "
-          f"rewarder-next from step {swapped['step']} (version {swapped['reward/spec_version_max']:.0f}); "
-          f"{len(steps)} steps, {sum(r['rollout/duplicates_dropped'] for r in steps):.0f} duplicates dropped")
+
+def test_the_replica_that_stayed_up_serves_the_resumed_learner(stack, learner_crashed):
+    """Neither the replica's container nor its process restarted with the learner."""
+    sampler = learner_crashed["sampler"]
+    assert stack.containers("sampler") == [sampler]
+    assert inspect(sampler, "{{.State.StartedAt}}") == learner_crashed["sampler_started"]
+    assert replicas(learner_crashed["resumed"]) == {stack.sampler_info(sampler)["replica_id"]: BATCH}
+    assert stack.sampler_info(sampler)["weight_version"] >= learner_crashed["resumed"]["weights/version"]
+
+
+# 7. Stopped from the host
+
+
+def test_the_stop_rpc_ends_the_run_and_the_learner_stays_down(stack, stopped):
+    assert stopped["code"] == 0
+    assert stack.health(stopped["learner"]).startswith("exited"), "a finished run must stay down"
+    assert stopped["steps"][-1]["step"] == stopped["last"]
+
+
+def test_every_step_trained_once_on_a_whole_batch(stopped):
+    """Through a scale-up, a killed replica, a scale-down, two reward swaps and a crashed learner: consecutive
+    steps, each on exactly BATCH groups, none duplicated into training."""
+    steps = stopped["steps"]
     assert [r["step"] for r in steps] == list(range(1, len(steps) + 1)), "a step failed or was skipped"
     for r in steps:
         assert sum(replicas(r).values()) == BATCH, f"step {r['step']} trained on {replicas(r)} groups"
+    print(f"\n[{LABEL}] {len(steps)} steps, {sum(r['rollout/duplicates_dropped'] for r in steps):.0f} duplicates "
+          f"dropped")
 
-    # 6. Stop through the control RPC from the host; the learner exits 0 and stays down.
-    t = time.monotonic()
-    last = stack.learner_rpc("Stop", reason="compose test").stopping_after_step
-    learner = stack.containers("learner")[0]
-    assert stack.wait_exit(learner, timeout=300) == 0
-    assert stack.health(learner).startswith("exited"), "a finished run must stay down"
-    assert stack.steps()[-1]["step"] == last
-    timings["stop_rpc_to_exit"] = time.monotonic() - t
+
+def test_down_leaves_nothing_behind(stack, stopped):
+    """`down -v`: no container, network or volume of the project, the holder's /dev/shm unmounted, no segment of
+    the stack's in the host's /dev/shm."""
+    stack.down(LABEL)
