@@ -7,6 +7,9 @@ run finishes, exports, exits 0 and stays down.
 
 Also: the image imports every optional module the shipped configurations and the defaults use, so a default that
 names a package the image lacks fails here instead of in a crash-looping container.
+
+The run is a chain of module-scoped phase fixtures (`demo_up` -> `learner_killed` -> `finished`), each test checking
+one property of one phase.
 """
 
 from __future__ import annotations
@@ -22,71 +25,123 @@ STEPS = 8
 SAVE_FREQ = 5  # configs/cpu-demo.yaml's learner.checkpoint.save_freq: the kill comes after its first checkpoint
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(2400)
-def test_shipped_demo_survives_a_killed_learner(docker_ready, tmp_path):
+# A phase's set-up is its test's: the first may build the image (~250 s cold), the restarted learner trains 3 steps of
+# SmolLM2 and exports it.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+LABEL = "test_compose_demo"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    runs = tmp_path_factory.mktemp("compose_demo") / "runs"
+    runs.mkdir()
+    return runs
+
+
+@pytest.fixture(scope="module")
+def stack(docker_ready, runs):
     demo = yaml.safe_load((ROOT / "configs" / "cpu-demo.yaml").read_text())["learner"]
     assert demo["checkpoint"]["save_freq"] == SAVE_FREQ < STEPS, "the shipped demo's checkpoint frequency changed"
-    runs = tmp_path / "runs"
-    runs.mkdir()
     stack = Stack({"DGRPO_RUNS_DIR": str(runs),
                    "DGRPO_LEARNER_OVERRIDES": f"learner.trainer.total_training_steps={STEPS}"},
                   runs / demo["trainer"]["run_name"] / "metrics.jsonl")
-    stack.run_phases("test_compose_demo", lambda timings: _run_and_kill_the_learner(stack, runs, timings))
+    try:
+        yield stack
+    finally:
+        stack.down(LABEL)
 
 
-def _run_and_kill_the_learner(stack: Stack, runs, timings: dict[str, float]) -> None:
-    t = time.monotonic()
-    stack("up", "-d", timeout=900)  # the README's command, detached
-    cids = {s: stack.containers(s) for s in ("shm", "rewarder", "learner", "sampler")}
-    assert all(len(c) == 1 for c in cids.values()), cids
-    stack.wait_healthy([c for ids in cids.values() for c in ids])
+@pytest.fixture(scope="module")
+def demo_up(stack):
+    """The README's command, detached; every container healthy."""
+    with stack.phase("healthy"):
+        stack("up", "-d", timeout=900)
+        cids = {s: stack.containers(s) for s in ("shm", "rewarder", "learner", "sampler")}
+        assert all(len(c) == 1 for c in cids.values()), cids
+        stack.wait_healthy([c for ids in cids.values() for c in ids])
     stack.note_namespaces()
-    learner, sampler = cids["learner"][0], cids["sampler"][0]
-    sampler_started = inspect(sampler, "{{.State.StartedAt}}")
-    timings["healthy"] = time.monotonic() - t
+    sampler = cids["sampler"][0]
+    return {"cids": cids, "learner": cids["learner"][0], "sampler": sampler,
+            "sampler_started": inspect(sampler, "{{.State.StartedAt}}")}
 
-    # No DGRPO_TOKEN was given, and still no call goes through without the token the stack made for itself.
+
+@pytest.fixture(scope="module")
+def learner_killed(stack, runs, demo_up):
+    """SIGKILL (`docker kill`) while the learner samples the step after its first checkpoint: no chance to save or
+    say goodbye. What every container's state is a few seconds later."""
+    with stack.phase("trained_to_kill"):
+        status = stack.wait_phase("sampling", after_step=SAVE_FREQ, timeout=900)
+    checkpointed = (runs / "checkpoints" / f"step_{SAVE_FREQ}" / "meta.json").is_file()
+    run(["docker", "kill", demo_up["learner"]])
+    code = stack.wait_exit(demo_up["learner"], timeout=60)
+    time.sleep(3)  # Docker leaves a killed container down (docs/deploy.md): nothing restarts it on its own
+    others = [*demo_up["cids"]["shm"], *demo_up["cids"]["rewarder"], demo_up["sampler"]]
+    return {"killed_at": status.step, "version_before": status.weight_version, "checkpointed": checkpointed,
+            "code": code, "learner_state": stack.health(demo_up["learner"]),
+            "others": {cid[:12]: stack.health(cid) for cid in others},
+            "served_before": stack.sampler_info(demo_up["sampler"])}
+
+
+@pytest.fixture(scope="module")
+def finished(stack, learner_killed):
+    """`docker compose up -d learner` (docs/deploy.md, "When the learner fails"), run to its end."""
+    with stack.phase("restart_to_finished"):
+        stack("up", "-d", "learner", timeout=600)
+        learner = stack.containers("learner", all_states=True)[0]
+        code = stack.wait_exit(learner, timeout=1500)
+    steps = [r for r in stack.steps() if "actor/loss" in r]  # (validation records: steps 0 and 8)
+    return {"learner": learner, "code": code, "steps": steps,
+            "again": [r for r in steps if r["step"] > SAVE_FREQ]}
+
+
+def test_no_call_goes_through_without_the_token_the_stack_made(stack, demo_up):
+    """No DGRPO_TOKEN was given, and still the control service refuses a call without the stack's own token."""
     with pytest.raises(grpc.RpcError) as refused:
         stack.learner_rpc("Status", authenticated=False)
     assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert len(stack.token) >= 32
 
-    # The learner samples the step after its first checkpoint: SIGKILL, no chance to save or say goodbye.
-    status = stack.wait_phase("sampling", after_step=SAVE_FREQ, timeout=900)
-    assert (runs / "checkpoints" / f"step_{SAVE_FREQ}" / "meta.json").is_file()
-    killed_at, version_before = status.step, status.weight_version
-    timings["trained_to_kill"] = time.monotonic() - t
-    run(["docker", "kill", learner])
-    assert stack.wait_exit(learner, timeout=60) == 137
-    time.sleep(3)  # Docker leaves a killed container down (docs/deploy.md): nothing restarts it on its own
-    assert stack.health(learner).startswith("exited"), stack.health(learner)
-    for cid in (*cids["shm"], *cids["rewarder"], sampler):
-        assert stack.health(cid).startswith("running"), f"{cid[:12]} went down with the learner"
-    served_before = stack.sampler_info(sampler)
-    assert served_before["weight_version"] == version_before  # the replica keeps serving its weights
 
-    t = time.monotonic()
-    stack("up", "-d", "learner", timeout=600)  # docs/deploy.md, "When the learner fails"
-    assert stack.wait_exit(stack.containers("learner", all_states=True)[0], timeout=1500) == 0
-    timings["restart_to_finished"] = time.monotonic() - t
+def test_a_killed_learner_stays_down_and_the_others_keep_serving(learner_killed):
+    assert learner_killed["checkpointed"], f"no checkpoint at step {SAVE_FREQ} before the kill"
+    assert learner_killed["code"] == 137
+    assert learner_killed["learner_state"].startswith("exited"), learner_killed["learner_state"]
+    assert all(state.startswith("running") for state in learner_killed["others"].values()), \
+        f"went down with the learner: {learner_killed['others']}"
+    # The replica keeps serving the weights it has.
+    assert learner_killed["served_before"]["weight_version"] == learner_killed["version_before"]
 
-    learner_logs = run(["docker", "logs", stack.containers("learner", all_states=True)[0]]).stderr
-    assert f"resumed from /opt/dgrpo/runs/checkpoints/step_{SAVE_FREQ} at step {SAVE_FREQ}" in learner_logs
-    steps = [r for r in stack.steps() if "actor/loss" in r]  # (validation records: steps 0 and 8)
-    assert [r["step"] for r in steps] == list(range(1, STEPS + 1)), "steps lost or trained twice"
-    again = [r for r in steps if r["step"] > SAVE_FREQ]
-    assert all(r["weights/version"] > version_before for r in again), [r["weights/version"] for r in again]
-    # The same replica (container, process, replica id) served every version of the restarted learner.
-    assert stack.containers("sampler") == [sampler] and inspect(sampler, "{{.State.StartedAt}}") == sampler_started
+
+def test_the_restarted_learner_resumes_from_its_checkpoint_and_finishes(finished):
+    assert finished["code"] == 0
+    logs = run(["docker", "logs", finished["learner"]]).stderr
+    assert f"resumed from /opt/dgrpo/runs/checkpoints/step_{SAVE_FREQ} at step {SAVE_FREQ}" in logs
+    assert [r["step"] for r in finished["steps"]] == list(range(1, STEPS + 1)), "steps lost or trained twice"
+
+
+def test_the_replica_that_stayed_up_serves_every_version_after_the_restart(stack, demo_up, learner_killed, finished):
+    """The same replica (container, process, replica id) served every version of the restarted learner."""
+    again, sampler = finished["again"], demo_up["sampler"]
+    assert all(r["weights/version"] > learner_killed["version_before"] for r in again), \
+        [r["weights/version"] for r in again]
+    assert stack.containers("sampler") == [sampler]
+    assert inspect(sampler, "{{.State.StartedAt}}") == demo_up["sampler_started"]
     assert inspect(sampler, "{{.RestartCount}}") == "0"
-    assert all(replicas(r) == {served_before["replica_id"]: 8.0} for r in again), [replicas(r) for r in again]
-    assert stack.sampler_info(sampler)["weight_version"] == steps[-1]["weights/version"]
-    sampler_logs = run(["docker", "logs", sampler]).stderr
-    assert "weights from a restarted learner of run 'cpu_demo'" in sampler_logs
+    replica = learner_killed["served_before"]["replica_id"]
+    assert all(replicas(r) == {replica: 8.0} for r in again), [replicas(r) for r in again]
+    assert stack.sampler_info(sampler)["weight_version"] == finished["steps"][-1]["weights/version"]
+    assert "weights from a restarted learner of run 'cpu_demo'" in run(["docker", "logs", sampler]).stderr
+    print(f"\n[{LABEL}] killed during step {learner_killed['killed_at'] + 1} (version "
+          f"{learner_killed['version_before']}); resumed at step {SAVE_FREQ}, versions after the restart "
+          f"{[int(r['weights/version']) for r in again]}")
+
+
+def test_the_finished_run_exports_its_model(runs, finished):
     assert (runs / "cpu_demo" / "model" / "config.json").is_file(), "the finished run exported no model"
-    print(f"\n[test_compose_demo] killed during step {killed_at + 1} (version {version_before}); resumed at step "
-          f"{SAVE_FREQ}, versions after the restart {[int(r['weights/version']) for r in again]}")
+
+
+def test_down_leaves_nothing_behind(stack, finished):
+    stack.down(LABEL)
 
 
 @pytest.mark.slow
