@@ -25,16 +25,20 @@ fields the manifests use, and refuses any field it does not know rather than ski
   deploy/healthcheck.py; the startup probe must pass within its failureThreshold x periodSeconds, and the liveness
   probe may never fail failureThreshold times in a row afterwards.
 
-The test (cpu overlay with a config of its own: the tiny 2-layer model from a hostPath instead of SmolLM2, so three
-vLLM replicas and the learner fit on 2 cores; no step limit: the test stops the learner) checks: every pod becomes
-healthy through its probes; 2 steps train on groups from both samplers, every version sent to each sampler pod's
-relay over its torch.distributed group (weights.transport=collective); a third sampler pod (`kubectl scale
-statefulset/sampler --replicas=3`) joins with a group of its own, serves the latest weights when ready and serves
-groups; 2 more steps; the reward spec hot-swapped as docs/kubernetes.md says (replace the ConfigMap, then
-`kubectl exec deploy/rewarder -- sh -c 'kill -HUP 1'`); a SIGKILLed learner is restarted and resumes from its
-checkpoint on its claim; nothing in any container listens on a non-loopback port beyond its declared containerPorts
-and, in learner and samplers, the weight groups' ephemeral ports; the control RPC's Stop ends the run and the learner
-stays up (Status: stopped), and a restart of its container trains nothing.
+The test (cpu overlay with a config of its own: the tiny 2-layer model from a hostPath instead of SmolLM2, so two
+vLLM replicas and the learner fit on 2 cores, and one sampler pod to start; no step limit: the test stops the
+learner) checks: every pod becomes healthy through its probes; 2 steps train on the first sampler pod, every version
+sent to its relay over its torch.distributed group (weights.transport=collective); a second sampler pod (`kubectl
+scale statefulset/sampler --replicas=2`) joins with a group of its own, serves the latest weights when ready and
+serves groups next to the first; 2 more steps; the reward spec hot-swapped as docs/kubernetes.md says (replace the
+ConfigMap, then `kubectl exec deploy/rewarder -- sh -c 'kill -HUP 1'`); a SIGKILLed learner is restarted and
+resumes from its checkpoint on its claim; nothing in any container listens on a non-loopback port beyond its
+declared containerPorts and, in learner and samplers, the weight groups' ephemeral ports; the control RPC's Stop ends
+the run and the learner stays up (Status: stopped), and a restart of its container trains nothing.
+
+The run is a chain of module-scoped phase fixtures (`pods` -> `two_steps` -> `scaled_up` -> `reward_swapped` ->
+`learner_crashed` -> `stopped` -> `stopped_restarted`), each keeping what it saw; every test checks one property of
+one phase, so a broken property is named by its test and the others are still checked.
 
 Needs a Docker daemon and kustomize (kubectl's or standalone); skipped, saying why, without either. The image is
 built with deploy/build.sh like tests/deploy/test_compose_run.py (cached); DGRPO_TEST_IMAGE=IMAGE uses an
@@ -54,6 +58,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -538,6 +543,9 @@ def render_test_overlay(tmp: Path) -> list[dict]:
         "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
         "resources": [os.path.relpath(OVERLAY, overlay)],
         "configMapGenerator": [{"name": "dgrpo-config", "behavior": "replace", "files": ["stack.yaml"]}],
+        # One sampler pod to start (the overlay ships 2): the scale-up phase adds the second, one vLLM start fewer
+        # on 2 cores than 2 then 3, proving the same join.
+        "replicas": [{"name": "sampler", "count": 1}],
         "patches": [{"target": {"kind": kind, "name": name}, "patch": yaml.safe_dump(model_patch)}
                     for kind, name in (("StatefulSet", "sampler"), ("StatefulSet", "learner"))],
     }
@@ -605,109 +613,139 @@ RPC = ("import grpc\nfrom dgrpo.v1 import {mod}_pb2 as p, {mod}_pb2_grpc as g\n"
        "r = g.{stub}(c).{method}(p.{request}({fields}), timeout=10, metadata=[('authorization', 'Bearer ' + t)])\n")
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(1800)
-def test_cpu_overlay_pods_train_scale_and_swap(image, tiny_model, tmp_path):
-    model = tmp_path / "tiny-model"
-    shutil.copytree(tiny_model, model)
-    for p in [model, *model.rglob("*")]:  # world-readable, as a hostPath a non-root pod reads must be
-        os.chmod(p, 0o755 if p.is_dir() else 0o644)
-    objects = render_test_overlay(tmp_path)
-    token = secrets.token_urlsafe(32)
-    runner = PodRunner(objects, tmp_path, image, {"dgrpo-token": {"token": token}},
-                       {"/var/lib/dgrpo-test/tiny-model": model})
-    run = Run(runner)
-    timings: dict[str, float] = {}
-    t0 = time.monotonic()
+# A phase's set-up is its test's: the second sampler pod takes minutes to start on 2 cores shared with a training
+# learner and the first; the first phase may build the image.
+LONG_PHASE = pytest.mark.timeout(900)
+pytestmark = pytest.mark.slow
+STATUS = RPC.format(mod="learner", port=50053, stub="LearnerStub", method="Status", request="StatusRequest",
+                    fields="") + "print(r.phase, r.step)"
+
+
+@contextmanager
+def phase(runner: PodRunner, timings: dict[str, float], name: str):
+    """One phase of the run (a module fixture): timed; on failure every container's logs are printed, as the
+    fixture's error is all pytest shows."""
+    t = time.monotonic()
     try:
-        _phases(runner, run, timings)
+        yield
     except BaseException:
         print(runner.logs(), file=sys.stderr)
         raise
     finally:
-        runner.cleanup()
-        timings["total"] = time.monotonic() - t0
-        print(f"\n[test_k8s_run] timings (s): {json.dumps({k: round(v, 1) for k, v in timings.items()})}")
-    left = _run(["docker", "ps", "-aq", "--filter", f"label={runner.label}"]).stdout.split()
-    assert not left, f"containers left behind: {left}"
+        timings[name] = time.monotonic() - t
 
 
-def _phases(runner: PodRunner, run: Run, timings: dict[str, float]) -> None:
-    t = time.monotonic()
-    runner.start_network()
-    # 1. kubectl apply: every workload's pods at once (no ordering between them, as in Kubernetes).
-    sts = runner.workload("StatefulSet", "sampler")
-    assert sts["spec"]["replicas"] == 2
-    rewarder = runner.start_pod("Deployment", "rewarder")
-    learner = runner.start_pod("StatefulSet", "learner", 0)
-    samplers = [runner.start_pod("StatefulSet", "sampler", i) for i in range(sts["spec"]["replicas"])]
-    for pod in (rewarder, learner, *samplers):
-        timings[f"started_{pod.name.rsplit('-', 1)[0] if pod.owner['kind'] != 'StatefulSet' else pod.name}"] = \
-            runner.wait_started(pod)
-    runner.start_liveness_monitor()
-    for pod in (rewarder, learner, *samplers):
-        ok, seen = runner.probe(pod, "readinessProbe")
-        assert ok, f"{pod.name} not ready: {seen}"
-    timings["all_ready"] = time.monotonic() - t
+@pytest.fixture(scope="module")
+def timings():
+    timings: dict[str, float] = {}
+    t0 = time.monotonic()
+    yield timings
+    timings["total"] = time.monotonic() - t0
+    print(f"\n[test_k8s_run] timings (s): {json.dumps({k: round(v, 1) for k, v in timings.items()})}")
 
-    # 2. Two steps, groups from both samplers; each sampler pod's relay received the weights over its own group.
-    # (Both by the second step or later, in one step or over several: with two replicas on 2 cores the rollout's
-    # straggler watch often hedges one's prompts on the other, and the first complete group wins.)
-    served: set[str] = set()
-    two = run.wait_step(lambda r: bool(served.update(replicas(r))) or (r["step"] >= 2 and len(served) == 2),
-                        "with groups from both replicas")
-    timings["two_steps"] = time.monotonic() - t
-    assert {f"{p.name}:50051" for p in samplers} == served, served
-    assert {p.name for p in samplers} <= run.relays(learner), "a sampler pod got its weights another way"
-    status = run.exec_python(learner, RPC.format(mod="learner", port=50053, stub="LearnerStub", method="Status",
-                                                 request="StatusRequest", fields="")
-                             + "print(r.weight_version)")
-    assert int(status) >= 1, "the learner has published no weights"
 
-    # 3. kubectl scale statefulset/sampler --replicas=3: the new pod is ready on the latest weights, then serves.
-    t = time.monotonic()
-    third = runner.start_pod("StatefulSet", "sampler", 2)
-    timings["third_started"] = runner.wait_started(third)
-    info = run.exec_python(third, RPC.format(mod="sampler", port=50051, stub="SamplerStub", method="Info",
-                                             request="InfoRequest", fields="")
-                           + "print(r.weight_version, r.replica_id)")
-    version, replica = info.split()
-    assert replica == "sampler-2:50051"
-    assert int(version) >= int(status), (version, status)
-    assert "sampler-2" in run.relays(learner)
-    served = run.wait_step(lambda r: replica in replicas(r), "with groups from sampler-2", after=two["step"])
-    later = run.wait_step(lambda r: True, "after the scale-up", after=served["step"])
-    timings["scaled_to_3"] = time.monotonic() - t
-    assert later["step"] >= two["step"] + 2
-
-    # 4. Reward hot swap as docs/kubernetes.md says: replace the ConfigMap, wait until the pod sees it, SIGHUP.
-    t = time.monotonic()
-    first_version = later["reward/spec_version_max"]
-    cm = runner.configmaps["dgrpo-rewards"]
-    spec = yaml.safe_load(cm["data"]["spec.yaml"])
-    spec["name"] = "math-v2"
-    write_atomic_dir(runner.tmp / "configmaps" / "dgrpo-rewards", {"spec.yaml": yaml.safe_dump(spec)}, 0o644)
-    seen = _run(["docker", "exec", rewarder.docker_name(), "cat", "/opt/dgrpo/rewards/spec.yaml"]).stdout
-    assert "math-v2" in seen
-    _run(["docker", "exec", rewarder.docker_name(), "sh", "-c", "kill -HUP 1"])
-    swapped = run.wait_step(lambda r: r["reward/spec_version_min"] > first_version, "scored by the reloaded spec",
-                            after=later["step"])
-    timings["reward_swap"] = time.monotonic() - t
-
-    # 5. A crash (SIGKILL): the StatefulSet's pod restarts the container, which resumes from its newest checkpoint on
-    # its claim (written as the non-root user through fsGroup) and trains on.
-    t = time.monotonic()
-    killed_after = run.steps()[-1]["step"]
-    # From outside Docker's API, as a crash is: `docker kill` counts as a manual stop, which no restart policy
-    # restarts (the container's PID 1, seen from the host's PID namespace; needs root, as CI is).
-    pid = int(_run(["docker", "inspect", "-f", "{{.State.Pid}}", learner.docker_name()]).stdout)
-    learner.expected_down = True
+@pytest.fixture(scope="module")
+def runner(image, tiny_model, tmp_path_factory, timings):
+    tmp = tmp_path_factory.mktemp("k8s_run")
+    model = tmp / "tiny-model"
+    shutil.copytree(tiny_model, model)
+    for p in [model, *model.rglob("*")]:  # world-readable, as a hostPath a non-root pod reads must be
+        os.chmod(p, 0o755 if p.is_dir() else 0o644)
+    objects = render_test_overlay(tmp)
+    runner = PodRunner(objects, tmp, image, {"dgrpo-token": {"token": secrets.token_urlsafe(32)}},
+                       {"/var/lib/dgrpo-test/tiny-model": model})
     try:
-        os.kill(pid, signal.SIGKILL)
-    except PermissionError:
-        learner.expected_down = False
-        print(f"\n[test_k8s_run] crash phase SKIPPED: not allowed to kill pid {pid} (not root)", file=sys.stderr)
-    else:
+        yield runner
+    finally:
+        runner.cleanup()
+
+
+@pytest.fixture(scope="module")
+def run(runner):
+    return Run(runner)
+
+
+@pytest.fixture(scope="module")
+def pods(runner, timings):
+    """kubectl apply: every workload's pods at once (no ordering between them, as in Kubernetes); the readiness
+    probe of each once its startup probe passed."""
+    with phase(runner, timings, "all_ready"):
+        runner.start_network()
+        sts = runner.workload("StatefulSet", "sampler")
+        assert sts["spec"]["replicas"] == 1  # the test overlay's (render_test_overlay)
+        rewarder = runner.start_pod("Deployment", "rewarder")
+        learner = runner.start_pod("StatefulSet", "learner", 0)
+        sampler = runner.start_pod("StatefulSet", "sampler", 0)
+        for pod in (rewarder, learner, sampler):
+            kind = pod.name.rsplit("-", 1)[0] if pod.owner["kind"] != "StatefulSet" else pod.name
+            timings[f"started_{kind}"] = runner.wait_started(pod)
+        runner.start_liveness_monitor()
+        ready = {pod.name: runner.probe(pod, "readinessProbe") for pod in (rewarder, learner, sampler)}
+    return {"rewarder": rewarder, "learner": learner, "sampler": sampler, "ready": ready}
+
+
+@pytest.fixture(scope="module")
+def two_steps(runner, run, pods, timings):
+    """Two steps on the first sampler pod; the learner's published version."""
+    with phase(runner, timings, "two_steps"):
+        two = run.wait_step(lambda r: r["step"] >= 2, "the second")
+        status = run.exec_python(pods["learner"], RPC.format(mod="learner", port=50053, stub="LearnerStub",
+                                                              method="Status", request="StatusRequest", fields="")
+                                 + "print(r.weight_version)")
+    return {"two": two, "version": int(status), "relays": run.relays(pods["learner"])}
+
+
+@pytest.fixture(scope="module")
+def scaled_up(runner, run, pods, two_steps, timings):
+    """kubectl scale statefulset/sampler --replicas=2: the new pod's Info once started, and the steps after it
+    (both pods' groups in one step or over several: with two replicas on 2 cores the rollout's straggler watch often
+    hedges one's prompts on the other, and the first complete group wins)."""
+    with phase(runner, timings, "scaled_to_2"):
+        second = runner.start_pod("StatefulSet", "sampler", 1)
+        timings["second_started"] = runner.wait_started(second)
+        info = run.exec_python(second, RPC.format(mod="sampler", port=50051, stub="SamplerStub", method="Info",
+                                                  request="InfoRequest", fields="")
+                               + "print(r.weight_version, r.replica_id)")
+        version, replica = info.split()
+        relays = run.relays(pods["learner"])
+        served: set[str] = set()
+        both = run.wait_step(lambda r: bool(served.update(replicas(r))) or len(served) == 2,
+                             "with groups from both sampler pods", after=two_steps["two"]["step"])
+        later = run.wait_step(lambda r: True, "after the scale-up", after=both["step"])
+    return {"pod": second, "version": int(version), "replica": replica, "relays": relays, "served": served,
+            "later": later}
+
+
+@pytest.fixture(scope="module")
+def reward_swapped(runner, run, pods, scaled_up, timings):
+    """As docs/kubernetes.md says: replace the ConfigMap, wait until the pod sees it, SIGHUP."""
+    with phase(runner, timings, "reward_swap"):
+        first_version = scaled_up["later"]["reward/spec_version_max"]
+        spec = yaml.safe_load(runner.configmaps["dgrpo-rewards"]["data"]["spec.yaml"])
+        spec["name"] = "math-v2"
+        write_atomic_dir(runner.tmp / "configmaps" / "dgrpo-rewards", {"spec.yaml": yaml.safe_dump(spec)}, 0o644)
+        seen = _run(["docker", "exec", pods["rewarder"].docker_name(), "cat", "/opt/dgrpo/rewards/spec.yaml"]).stdout
+        _run(["docker", "exec", pods["rewarder"].docker_name(), "sh", "-c", "kill -HUP 1"])
+        step = run.wait_step(lambda r: r["reward/spec_version_min"] > first_version, "scored by the reloaded spec",
+                             after=scaled_up["later"]["step"])
+    return {"first_version": first_version, "seen": seen, "step": step}
+
+
+@pytest.fixture(scope="module")
+def learner_crashed(runner, run, pods, reward_swapped, timings):
+    """A crash (SIGKILL of the container's PID 1 from the host's PID namespace, outside Docker's API: `docker kill`
+    counts as a manual stop, which no restart policy restarts; needs root, as CI is): the StatefulSet's pod restarts
+    the container; the first step after it."""
+    learner = pods["learner"]
+    with phase(runner, timings, "crash_resume"):
+        killed_after = run.steps()[-1]["step"]
+        pid = int(_run(["docker", "inspect", "-f", "{{.State.Pid}}", learner.docker_name()]).stdout)
+        learner.expected_down = True
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except PermissionError:
+            learner.expected_down = False
+            pytest.skip(f"not allowed to kill pid {pid} (not root)")
         deadline = time.monotonic() + 120
         while True:
             state = _run(["docker", "inspect", "-f", "{{.RestartCount}} {{.State.Status}}", learner.docker_name()]
@@ -720,14 +758,94 @@ def _phases(runner: PodRunner, run: Run, timings: dict[str, float]) -> None:
         runner.wait_started(learner)
         learner.expected_down = False
         after_crash = run.wait_step(lambda r: True, "after the restart", after=killed_after)
-        assert after_crash["step"] > killed_after
-        proc = _run(["docker", "logs", learner.docker_name()])
-        assert re.search(r"resumed from \S+ at step [1-9]", proc.stdout + proc.stderr), "the learner did not resume"
-        timings["crash_resume"] = time.monotonic() - t
+    logs = _run(["docker", "logs", learner.docker_name()])
+    return {"killed_after": killed_after, "after_crash": after_crash, "logs": logs.stdout + logs.stderr}
 
-    # 6. Nothing listens on the pod network beyond the declared containerPorts, but for the weight groups' ephemeral
-    # ports (a TCPStore on the learner, gloo's pairs on both ends) in learner and samplers: the range the
-    # NetworkPolicies open between those two only.
+
+@pytest.fixture(scope="module")
+def stopped(runner, run, pods, learner_crashed, timings):
+    """The control RPC's Stop (a StatefulSet would restart an exit, so the learner stays up answering Status)."""
+    with phase(runner, timings, "stop"):
+        last = run.exec_python(pods["learner"], RPC.format(mod="learner", port=50053, stub="LearnerStub",
+                                                            method="Stop", request="StopRequest",
+                                                            fields="reason='k8s test'")
+                               + "print(r.stopping_after_step)")
+        _, step = run.wait_status(pods["learner"], STATUS, "stopped")
+    return {"last": int(last), "step": int(step), "steps": run.steps(),
+            "ended": json.loads((run.run_dir / "ended.json").read_text())}
+
+
+@pytest.fixture(scope="module")
+def stopped_restarted(runner, run, pods, stopped, timings):
+    """`docker restart` of the stopped learner (the pod restarted: a node reboot), given a few seconds to train."""
+    learner = pods["learner"]
+    with phase(runner, timings, "stopped_restart"):
+        learner.expected_down = True
+        _run(["docker", "restart", "-t", "30", learner.docker_name()], timeout=120)
+        learner.started_at, learner.started = time.monotonic(), False
+        runner.wait_started(learner)
+        learner.expected_down = False
+        _, step = run.wait_status(learner, STATUS, "stopped")
+        time.sleep(5)
+    logs = _run(["docker", "logs", "--tail", "20", learner.docker_name()])
+    state = _run(["docker", "inspect", "-f", "{{.State.Status}}", learner.docker_name()]).stdout.strip()
+    return {"step": int(step), "last_logged": run.steps()[-1]["step"], "logs": logs.stdout + logs.stderr,
+            "state": state}
+
+
+# 1. Every pod ready
+
+
+@LONG_PHASE
+def test_every_pod_passes_its_startup_and_readiness_probes(pods):
+    assert all(ok for ok, _ in pods["ready"].values()), pods["ready"]
+
+
+# 2. Training on one sampler pod
+
+
+def test_the_first_sampler_pod_serves_every_group_and_gets_weights_over_its_own_group(pods, two_steps):
+    """weights.transport=collective: the pod's relay received every version over its torch.distributed group."""
+    assert replicas(two_steps["two"]) == {f"{pods['sampler'].name}:50051": BATCH}, replicas(two_steps["two"])
+    assert pods["sampler"].name in two_steps["relays"], "a sampler pod got its weights another way"
+    assert two_steps["version"] >= 1, "the learner has published no weights"
+
+
+# 3. Scaled to two sampler pods
+
+
+@LONG_PHASE
+def test_a_sampler_pod_added_mid_run_joins_with_its_own_group_on_the_latest_weights(two_steps, scaled_up):
+    assert scaled_up["replica"] == "sampler-1:50051"
+    assert scaled_up["version"] >= two_steps["version"], scaled_up
+    assert "sampler-1" in scaled_up["relays"]
+
+
+def test_both_sampler_pods_serve_groups(pods, two_steps, scaled_up):
+    assert scaled_up["served"] == {f"{p.name}:50051" for p in (pods["sampler"], scaled_up["pod"])}, scaled_up
+    assert scaled_up["later"]["step"] >= two_steps["two"]["step"] + 2
+
+
+# 4. Reward hot swap
+
+
+def test_a_replaced_configmap_and_sighup_swap_the_reward_spec(reward_swapped):
+    assert "math-v2" in reward_swapped["seen"], "the pod never saw the replaced ConfigMap"
+    assert reward_swapped["step"]["reward/spec_version_min"] > reward_swapped["first_version"]
+
+
+# 5. The learner crashes
+
+
+def test_a_crashed_learner_is_restarted_and_resumes_from_its_claim(learner_crashed):
+    """From its newest checkpoint on its claim (written as the non-root user through fsGroup)."""
+    assert learner_crashed["after_crash"]["step"] > learner_crashed["killed_after"]
+    assert re.search(r"resumed from \S+ at step [1-9]", learner_crashed["logs"]), "the learner did not resume"
+
+
+def test_nothing_listens_beyond_the_declared_ports(runner, learner_crashed):
+    """Beyond the declared containerPorts, only the weight groups' ephemeral ports (a TCPStore on the learner,
+    gloo's pairs on both ends) in learner and samplers: the range the NetworkPolicies open between those two."""
     low, high = map(int, _run(["cat", "/proc/sys/net/ipv4/ip_local_port_range"]).stdout.split())
     for pod in runner.pods.values():
         declared = {p["containerPort"] for p in pod.main.get("ports", [])}
@@ -736,52 +854,52 @@ def _phases(runner: PodRunner, run: Run, timings: dict[str, float]) -> None:
             extra = {port for port in extra if not low <= port <= high}
         assert not extra, f"{pod.name} listens on undeclared ports {sorted(extra)} (declared {sorted(declared)})"
 
-    logged = run.steps()
-    # A step logged just before the kill but not yet checkpointed is trained again by the resumed run (at most
-    # once); a learner that started over instead of resuming would repeat every step.
-    numbers = [r["step"] for r in logged]
+
+# 6. Stopped
+
+
+def test_every_step_trained_once_on_a_whole_batch(learner_crashed, reward_swapped, stopped):
+    """A step logged just before the kill but not yet checkpointed is trained again by the resumed run (at most
+    once); a learner that started over instead of resuming would repeat every step."""
+    numbers = [r["step"] for r in stopped["steps"]]
     repeated = {n: numbers.count(n) for n in set(numbers) if numbers.count(n) > 1}
+    killed_after = learner_crashed["killed_after"]
     assert len(repeated) <= 1 and set(repeated) <= {killed_after, killed_after + 1} \
         and set(repeated.values()) <= {2}, f"steps logged: {numbers}"
-    steps = list({r["step"]: r for r in logged}.values())
+    steps = list({r["step"]: r for r in stopped["steps"]}.values())
     assert [r["step"] for r in steps] == list(range(1, len(steps) + 1)), "a step failed or was skipped"
     for r in steps:
         assert sum(replicas(r).values()) == BATCH, f"step {r['step']} trained on {replicas(r)} groups"
     print(f"\n[test_k8s_run] {len(steps)} steps; groups {replicas(steps[-1])}; spec version "
-          f"{first_version:.0f} -> {swapped['reward/spec_version_min']:.0f} at step {swapped['step']}")
+          f"{reward_swapped['first_version']:.0f} -> {reward_swapped['step']['reward/spec_version_min']:.0f} at step "
+          f"{reward_swapped['step']['step']}")
 
-    # 7. Stop through the control RPC: the run ends, and the learner stays up (a StatefulSet would restart an exit)
-    # answering Status; restarted, it finds the run's end on its claim and trains nothing.
-    t = time.monotonic()
-    status_rpc = RPC.format(mod="learner", port=50053, stub="LearnerStub", method="Status", request="StatusRequest",
-                            fields="") + "print(r.phase, r.step)"
-    last = run.exec_python(learner, RPC.format(mod="learner", port=50053, stub="LearnerStub", method="Stop",
-                                               request="StopRequest", fields="reason='k8s test'")
-                           + "print(r.stopping_after_step)")
-    _, step = run.wait_status(learner, status_rpc, "stopped")
-    assert int(step) == int(last) == run.steps()[-1]["step"]
-    assert json.loads((run.run_dir / "ended.json").read_text())["phase"] == "stopped"
-    timings["stop"] = time.monotonic() - t
-    learner.expected_down = True
-    _run(["docker", "restart", "-t", "30", learner.docker_name()], timeout=120)  # the pod restarted (a node reboot)
-    learner.started_at, learner.started = time.monotonic(), False
-    runner.wait_started(learner)
-    learner.expected_down = False
-    _, step = run.wait_status(learner, status_rpc, "stopped")
-    assert int(step) == int(last)
-    time.sleep(5)
-    assert run.steps()[-1]["step"] == int(last), "the restarted learner trained"
-    logs = _run(["docker", "logs", "--tail", "20", learner.docker_name()])
-    assert "ended at step" in logs.stdout + logs.stderr
-    state = _run(["docker", "inspect", "-f", "{{.State.Status}}", learner.docker_name()]).stdout.strip()
-    assert state == "running", f"the ended learner is {state}"
-    timings["stopped_restart"] = time.monotonic() - t
+
+def test_the_stop_rpc_ends_the_run_and_the_learner_stays_up_answering_status(stopped):
+    assert stopped["step"] == stopped["last"] == stopped["steps"][-1]["step"]
+    assert stopped["ended"]["phase"] == "stopped"
+
+
+def test_a_restarted_learner_finds_the_runs_end_and_trains_nothing(stopped, stopped_restarted):
+    assert stopped_restarted["step"] == stopped["last"]
+    assert stopped_restarted["last_logged"] == stopped["last"], "the restarted learner trained"
+    assert "ended at step" in stopped_restarted["logs"]
+    assert stopped_restarted["state"] == "running", f"the ended learner is {stopped_restarted['state']}"
+
+
+def test_no_liveness_probe_failed_long_enough_for_a_restart(runner, stopped_restarted):
     with runner.lock:
-        for name, seconds in runner.liveness_failures.items():
-            pod = runner.pods[name]
-            spec = pod.main["livenessProbe"]
-            budget = spec.get("failureThreshold", 3) * spec.get("periodSeconds", 10)
-            assert seconds < budget, f"{name}: liveness failed for {seconds:.0f} s: the kubelet would have restarted it"
+        failures = dict(runner.liveness_failures)
+    for name, seconds in failures.items():
+        spec = runner.pods[name].main["livenessProbe"]
+        budget = spec.get("failureThreshold", 3) * spec.get("periodSeconds", 10)
+        assert seconds < budget, f"{name}: liveness failed for {seconds:.0f} s: the kubelet would have restarted it"
+
+
+def test_cleanup_leaves_no_container(runner, stopped_restarted):
+    runner.cleanup()
+    left = _run(["docker", "ps", "-aq", "--filter", f"label={runner.label}"]).stdout.split()
+    assert not left, f"containers left behind: {left}"
 
 
 def make_tls(names: list[str]) -> dict[str, str]:
