@@ -4,14 +4,14 @@ without pause) and a training learner (a 2-thread torch loop) keep busy, by the 
     python benchmarks/bench_replica_join.py                         # the joining replica on `all`, then on `1-1`
     python benchmarks/bench_replica_join.py --join-cores all 1-1 --timeout 600
 
-Both replicas are `dgrpo sampler --config configs/cpu-demo.yaml` (what `docker compose --scale sampler=2` runs on one
-host; the demo's `sampler.cpu_cores: all`), weight sync off. Printed per case: the first replica's start on an idle
-machine, the joining replica's start under load, and their ratio. Found (2026-12-07 08:29-08:37, 2 cores, nothing
-else running): joining on `all` 217 s (8.0x its 27 s idle start), on core 1 alone 48 s (1.7x). vLLM's multiprocessing executor
-starts its worker with OMP_PLACES / OMP_PROC_BIND for the bound cores (vllm/utils/ompmultiprocessing.py), so the
-worker's main thread is pinned to the first of them as soon as its `import torch` loads OpenMP, and under `all` that
-is the core where the busy replica's main thread runs: the rest of its imports and its model load crawl there.
-Nothing else may run meanwhile.
+Both replicas are `dgrpo sampler --config configs/cpu-demo.yaml` (what `docker compose --scale sampler=2` runs on
+one host; the demo's `sampler.cpu_cores: all`), weight sync off. Printed per case: the first replica's start on an
+idle machine, the joining replica's start under load, and their ratio. Found (2026-12-07 08:29-08:37, 2 cores,
+nothing else running): joining on `all` 217 s (8.0x its 27 s idle start), on core 1 alone 48 s (1.7x). vLLM's
+multiprocessing executor starts its worker with OMP_PLACES / OMP_PROC_BIND for the bound cores
+(vllm/utils/ompmultiprocessing.py), so the worker's main thread is pinned to the first of them as soon as its
+`import torch` loads OpenMP, and under `all` that is the core where the busy replica's main thread runs: the rest of
+its imports and its model load crawl there. Nothing else may run meanwhile.
 """
 
 from __future__ import annotations
