@@ -145,6 +145,15 @@ class Stack:
             assert time.monotonic() - start < timeout, f"not healthy after {timeout:.0f} s: {states}"
             time.sleep(2)
 
+    def up_healthy(self, services: tuple[str, ...]) -> dict[str, list[str]]:
+        """`up -d` (the README's command, detached): one container per service in `services`, each healthy through
+        its probe. Their ids by service."""
+        self("up", "-d", timeout=900)
+        cids = {s: self.containers(s) for s in services}
+        assert all(len(c) == 1 for c in cids.values()), cids
+        self.wait_healthy([c for ids in cids.values() for c in ids])
+        return cids
+
     def wait_exit(self, cid: str, timeout: float = 600) -> int:
         """The container's exit code once it has stopped."""
         deadline = time.monotonic() + timeout

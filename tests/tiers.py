@@ -103,10 +103,15 @@ def pytest_runtest_makereport(item, call):
         violations.clear()
 
 
+def _words(argv) -> list[str]:
+    """A command line as subprocess takes it (a string or a sequence of str/paths), as words."""
+    return argv.split() if isinstance(argv, str) else [os.fspath(a) for a in argv]
+
+
 def what_starts(argv) -> str | None:
     """The kind of expensive thing a command starts, for the per-module table (scripts/test_report.py) and the guard.
     Read from whole argv words, so a path that merely contains `run` or `up` is not taken for a subcommand."""
-    words = argv.split() if isinstance(argv, str) else [os.fspath(a) for a in argv]
+    words = _words(argv)
     tool = os.path.basename(words[0]) if words else ""
     after = {words[i + 1] for i, w in enumerate(words[:-1]) if w in ("dgrpo", "dgrpo.cli") or w.endswith("/dgrpo")}
     if "up" in after or any(w.endswith("scripts/run.sh") for w in words):
@@ -146,7 +151,7 @@ def _check_unit(what: str) -> None:
 
 def _check_integration(argv, kind: str | None) -> None:
     if _running_tier() == "integration" and kind in _LAUNCHES:
-        words = argv.split() if isinstance(argv, str) else [os.fspath(a) for a in argv]
+        words = _words(argv)
         _running["violations"].append(
             f"{_running['item'].nodeid} is an integration test and ran a launcher's command ({' '.join(words)[:120]}): "
             "request `launcher` (or a fixture that does) to make it e2e (docs/testing.md)")
@@ -159,7 +164,7 @@ _PLATFORM_PROBES = {"uname", "file"}
 
 
 def _is_platform_probe(args) -> bool:
-    words = args.split() if isinstance(args, str) else [os.fspath(a) for a in args]
+    words = _words(args)
     return bool(words) and os.path.basename(words[0]) in _PLATFORM_PROBES
 
 

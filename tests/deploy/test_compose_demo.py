@@ -55,10 +55,7 @@ def stack(docker_ready, runs):
 def demo_up(stack):
     """The README's command, detached; every container healthy."""
     with stack.phase("healthy"):
-        stack("up", "-d", timeout=900)
-        cids = {s: stack.containers(s) for s in ("shm", "rewarder", "learner", "sampler")}
-        assert all(len(c) == 1 for c in cids.values()), cids
-        stack.wait_healthy([c for ids in cids.values() for c in ids])
+        cids = stack.up_healthy(("shm", "rewarder", "learner", "sampler"))
     stack.note_namespaces()
     sampler = cids["sampler"][0]
     return {"cids": cids, "learner": cids["learner"][0], "sampler": sampler,

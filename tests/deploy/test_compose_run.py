@@ -81,10 +81,7 @@ def stack(docker_ready, tiny_model, tmp_path_factory):
 def one_replica(stack):
     """`up -d` with one replica, every container healthy through its probe, a step on groups from the replica."""
     with stack.phase("healthy"):
-        stack("up", "-d", timeout=900)
-        cids = {s: stack.containers(s) for s in ("rewarder", "learner", "sampler")}
-        assert len(cids["sampler"]) == 1 and len(cids["learner"]) == 1 and len(cids["rewarder"]) == 1, cids
-        stack.wait_healthy([c for ids in cids.values() for c in ids])
+        cids = stack.up_healthy(("rewarder", "learner", "sampler"))
     with stack.phase("first_step"):
         first = stack.wait_step(lambda r: len(replicas(r)) == 1, "with groups from the replica")
     holder = stack.note_namespaces()
