@@ -113,7 +113,7 @@ class ModuleTarget:
         reader = self._staged[0]
         try:
             try:
-                self._copy(reader, verify=ref.streamed and ref.verify)
+                self._copy(reader, verify=ref.streamed and ref.verify, streamed=ref.version if ref.streamed else None)
                 self.emit("applying", version=ref.version, streamed=ref.streamed)
                 await asyncio.sleep(self.apply_delay_s)
                 reader.check_intact()
@@ -134,12 +134,16 @@ class ModuleTarget:
         else:
             self.emit("serving", version=version, at=at)
 
-    def _copy(self, reader: SlotReader, verify: bool) -> None:
+    def _copy(self, reader: SlotReader, verify: bool, streamed: int | None = None) -> None:
+        """`streamed`: the version of a streamed load, whose every copied tensor is reported (`copied`), so a test
+        can act while the load is under way rather than after a guessed sleep."""
         with torch.no_grad():
             for name, tensor in reader.tensors(verify=verify):
                 if name not in self.state or tensor.shape != self.state[name].shape:
                     raise WeightIntegrityError(f"{name} {list(tensor.shape)} in the slot is not in the state")
                 self.state[name].copy_(tensor)
+                if streamed is not None:
+                    self.emit("copied", version=streamed, name=name)
 
     def _release(self) -> None:
         if self._staged is not None:

@@ -11,7 +11,6 @@ import importlib.util
 import json
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -254,7 +253,7 @@ def test_an_abandoned_streamed_version_is_never_served_and_the_previous_one_come
         release = threading.Event()
         writer, _ = _streamed(pub, 2, release, fail=True)
         peer.wait_for("paused")  # loading v2 while it is written
-        time.sleep(0.2)  # ... and reading its first tensors
+        peer.wait_for("copied", version=2)  # ... and reading its first tensors
         release.set()
         writer.join(TIMEOUT_S)
         assert "abandoned" in peer.wait_for("torn", version=2)["why"]

@@ -34,6 +34,11 @@ LINK_DOWN_S = 20.0
 TIMEOUT_S = 60.0
 
 
+def nbytes(shapes: dict) -> int:
+    """The bytes of one version of `shapes` in bf16."""
+    return sum(2 * rows * cols for rows, cols in shapes.values())
+
+
 def config(hosts: TwoHosts, **overrides) -> WeightSyncConfig:
     """Fixed ports are fine: nothing else lives in the test's namespaces."""
     return WeightSyncConfig(**{"transport": "collective", "host": hosts.a.address, "bind_host": hosts.a.address,
@@ -149,8 +154,13 @@ def test_link_down_mid_transfer_names_the_host_serves_nothing_torn_and_resumes(r
     replicas = [r.replica(), r.replica()]
     for replica in replicas:
         replica.wait_for("started", TIMEOUT_S)
+    sent_before = r.hosts.a.tx_bytes()
     r.learner.send({"publish": 2})
-    time.sleep(0.7)
+    # A quarter of version 2 across (about 0.5 s at the cap), three quarters still to go: then the link goes down.
+    quarter, deadline = nbytes(LARGE) // 4, time.monotonic() + TIMEOUT_S
+    while r.hosts.a.tx_bytes() - sent_before < quarter:
+        assert time.monotonic() < deadline, "version 2 never started crossing the link"
+        time.sleep(0.02)
     r.hosts.link(up=False)
     try:
         deadline = time.monotonic() + LINK_DOWN_S

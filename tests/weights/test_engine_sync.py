@@ -265,10 +265,14 @@ def test_wait_mode_completions_come_from_the_version_they_name(engine, aio, sync
         return [(time.perf_counter(), c) async for group in groups for c in group.completions]
 
     in_flight = asyncio.run_coroutine_threadsafe(sample("long", 100), aio.loop)  # 18 + 100 of 128 tokens
+    def running() -> bool:  # both scheduled and past their prefill: each has its first token, far from its 100th
+        states = list(engine.llm.output_processor.request_states.values())
+        return len(states) >= 2 and not any(state.is_prefilling for state in states)
+
     deadline = time.monotonic() + 60
-    while engine.llm.output_processor.get_num_unfinished_requests() < 2 and time.monotonic() < deadline:
+    while not running():
+        assert time.monotonic() < deadline, "the two long requests never started generating"
         time.sleep(0.002)
-    time.sleep(0.1)  # a few engine steps: scheduled and running, far from their 100th token
     published_at = time.perf_counter()
     publish_and_wait(aio, engine, pub, weights[new], new)
     long_ones = in_flight.result(60)
