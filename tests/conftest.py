@@ -13,8 +13,9 @@ import pytest
 from hypothesis import settings
 from support import ServiceProcess, free_port
 
-# The tiers (unit / integration / e2e), decided from the fixtures a test requests, and their guard and time limits.
-pytest_plugins = ["tiers"]
+# The tiers (unit / integration / e2e), decided from the fixtures a test requests, and their guard and time limits;
+# the services several modules share in one session (`shared_replicas`).
+pytest_plugins = ["tiers", "shared_services"]
 
 # Property tests draw the same examples on every CI run (a failure there is reproducible, never a lucky draw);
 # a developer's run explores new ones. `CI` is set by .ci/run.

@@ -1,7 +1,10 @@
 """Asynchronous GRPO against real services: two sampler replicas (vLLM on CPU, tiny model, in-flight weight updates
 with weights.pause_mode=keep), a rewarder, and learners with rollout.max_staleness >= 1.
 
-One module-scoped stack serves every test. Order matters: the last test kills a replica.
+The replicas and the rewarder are the session's shared pair (tests/shared_services.py; test_loop.py and
+test_dynamic_sampling.py use the same, pause_mode=keep for all), so they may hold an earlier learner's versions:
+versions are asserted relative to the newest one a replica held before the run. The last test kills a replica; the
+shared fixture replaces it before the next test that uses the pair.
 """
 
 from __future__ import annotations
@@ -15,38 +18,47 @@ from pathlib import Path
 import grpc
 import pytest
 import yaml
-from loop_support import fixed_port, read_jsonl, replicas_and_rewarder, sampler_info, write_sums
+from loop_support import fixed_port, read_jsonl, sampler_info, write_sums
 
-from dgrpo.v1 import learner_pb2, learner_pb2_grpc
+from dgrpo.v1 import learner_pb2, learner_pb2_grpc, sampler_pb2, sampler_pb2_grpc
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def stack(child_processes, tiny_model, tmp_path_factory):
+def _config(_shared_replicas_session, tiny_model, tmp_path_factory):
+    """This module's learner config for the shared replicas (pause_mode=keep: in-flight updates) and rewarder."""
     root = tmp_path_factory.mktemp("async")
-    with replicas_and_rewarder(tiny_model, pause_mode="keep") as (samplers, rewarder, weights):
-        config = {
-            "model": {"path": str(tiny_model), "dtype": "float32"},
-            "sampler": {"addresses": [s.address for s in samplers], "max_model_len": 512},
-            "weights": weights,
-            "learner": {
-                "data": {**write_sums(root, 5), "train_batch_size": 2, "max_prompt_length": 64, "seed": 5},
-                "rollout": {"n": 4, "max_response_length": 24, "seed": 3, "rewarder_address": rewarder.address,
-                            "max_staleness": 2},
-                # A deliberately slow update (4 epochs of 2 mini-batches, micro-batches of 1) next to fast
-                # sampling: the batches sampled ahead are as stale as allowed.
-                "actor": {"ppo_mini_batch_size": 1, "micro_batch_size_per_device": 1, "ppo_epochs": 4,
-                          "dtype": "float32", "compute_entropy": False},
-                "algorithm": {"off_policy": "tis"},
-                "optim": {"lr": 1e-3},
-                "checkpoint": {"save_freq": 0, "keep_last": None},
-                "trainer": {"total_training_steps": 4, "test_freq": 2, "control_port": 0,
-                            "log_dir": str(root / "runs")},
-            },
-        }
-        (root / "stack.yaml").write_text(yaml.safe_dump(config))
-        yield {"root": root, "config": root / "stack.yaml", "samplers": samplers, "rewarder": rewarder}
+    shared = _shared_replicas_session
+    config = {
+        "model": {"path": str(tiny_model), "dtype": "float32"},
+        "sampler": {"addresses": shared.addresses, "max_model_len": 512},
+        "weights": shared.weights,
+        "learner": {
+            "data": {**write_sums(root, 5), "train_batch_size": 2, "max_prompt_length": 64, "seed": 5},
+            "rollout": {"n": 4, "max_response_length": 24, "seed": 3, "rewarder_address": shared.rewarder.address,
+                        "max_staleness": 2},
+            # A deliberately slow update (4 epochs of 2 mini-batches, micro-batches of 1) next to fast
+            # sampling: the batches sampled ahead are as stale as allowed.
+            "actor": {"ppo_mini_batch_size": 1, "micro_batch_size_per_device": 1, "ppo_epochs": 4,
+                      "dtype": "float32", "compute_entropy": False},
+            "algorithm": {"off_policy": "tis"},
+            "optim": {"lr": 1e-3},
+            "checkpoint": {"save_freq": 0, "keep_last": None},
+            "trainer": {"total_training_steps": 4, "test_freq": 2, "control_port": 0,
+                        "log_dir": str(root / "runs")},
+        },
+    }
+    (root / "stack.yaml").write_text(yaml.safe_dump(config))
+    return {"root": root, "config": root / "stack.yaml"}
+
+
+@pytest.fixture
+def stack(shared_replicas, _config):
+    """The shared replicas (whole: one killed by an earlier test is replaced) and this module's config."""
+    assert shared_replicas.weights["pause_mode"] == "keep"  # what this module's in-flight updates need
+    return {**_config, "shared": shared_replicas, "samplers": shared_replicas.samplers,
+            "rewarder": shared_replicas.rewarder}
 
 
 def _learner(stack, run: str, *overrides: str, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -62,16 +74,17 @@ def _steps(root: Path, run: str) -> list[dict]:
 
 def test_staleness_never_exceeds_k_and_batches_run_ahead(stack):
     root = stack["root"]
+    base = stack["shared"].fresh_run_base()
     proc = _learner(stack, "k2")
     assert proc.returncode == 0, proc.stderr[-6000:]
     steps = _steps(root, "k2")
     assert [r["step"] for r in steps] == list(range(1, 5))
-    assert [r["weights/version"] for r in steps] == [float(i) for i in range(1, 5)]
+    assert [r["weights/version"] for r in steps] == [float(base + i) for i in range(1, 5)]
     k = 2
     for r in steps:
         # Trained at version step-1; every completion's first version (the version loaded when the sampler
         # admitted it) is at most k behind.
-        assert r["staleness/trained_version"] == r["step"] - 1
+        assert r["staleness/trained_version"] == base + r["step"] - 1
         assert r["staleness/trained_version"] - r["staleness/oldest_version"] <= k
         assert 0 <= r["staleness/mean"] <= r["staleness/max"] <= k
         assert r["staleness/dropped_groups"] == 0
@@ -85,7 +98,7 @@ def test_staleness_never_exceeds_k_and_batches_run_ahead(stack):
     vals = [r for r in read_jsonl(root / "runs" / "k2" / "metrics.jsonl") if "val/reward_mean" in r]
     assert [r["step"] for r in vals] == [2, 4]
     for svc in stack["samplers"]:
-        assert sampler_info(svc.address).weight_version == 4
+        assert sampler_info(svc.address).weight_version == base + 4
 
 
 def test_stop_then_resume_continues_the_data_order_of_the_trained_batches(stack):
@@ -131,8 +144,9 @@ def test_stop_then_resume_continues_the_data_order_of_the_trained_batches(stack)
 
 
 def test_replica_killed_mid_run_loses_and_duplicates_nothing(stack):
+    """SIGKILL the first replica seen running the learner's requests: the run ends with every step, no reward lost,
+    and the survivor serving every group at the end."""
     root = stack["root"]
-    victim = stack["samplers"][0]
     cmd = [sys.executable, "-m", "dgrpo.cli", "learner", "--config", str(stack["config"]),
            f"learner.checkpoint.dir={root / 'ckpt_kill'}", "learner.trainer.run_name=kill",
            "learner.trainer.test_freq=0", "learner.rollout.retry_backoff_s=0.2", "learner.rollout.max_backoff_s=1",
@@ -140,19 +154,33 @@ def test_replica_killed_mid_run_loses_and_duplicates_nothing(stack):
            # Long completions keep each burst on the victim's engine for seconds, not the tenths of a second that
            # 24 tokens take: with short ones the 4 steps could end (CI did) before a poll saw a request running.
            "learner.rollout.max_response_length=96"]
+    ids = [sampler_info(s.address).replica_id for s in stack["samplers"]]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     # Killed while its engine runs the learner's requests (early on, batches ahead are in flight on both
-    # replicas): killed between bursts, no stream would fail and the test would prove nothing.
-    deadline = time.monotonic() + 300
-    while sampler_info(victim.address).running_requests == 0:
-        assert proc.poll() is None, proc.stderr.read()[-6000:]
-        assert time.monotonic() < deadline, "the victim never ran a request"
-        time.sleep(0.05)
-    victim.kill()
+    # replicas): killed between bursts, no stream would fail and the test would prove nothing. Both replicas are
+    # watched and the first seen running is the victim: the straggler watch may hedge one replica's first prompts
+    # onto the other (one still loading the run's first version), so a fixed victim can go a whole fast run idle.
+    channels = [grpc.insecure_channel(s.address) for s in stack["samplers"]]
+    try:
+        stubs = [sampler_pb2_grpc.SamplerStub(ch) for ch in channels]
+        deadline = time.monotonic() + 300
+        while True:
+            running = [stub.Info(sampler_pb2.InfoRequest(), timeout=10).running_requests for stub in stubs]
+            if any(running):
+                break
+            assert proc.poll() is None, proc.stderr.read()[-6000:]
+            assert time.monotonic() < deadline, "no replica ever ran a request"
+            time.sleep(0.05)
+    finally:
+        for ch in channels:
+            ch.close()
+    victim, survivor = (0, 1) if running[0] else (1, 0)
+    survivor_id = ids[survivor]
+    stack["samplers"][victim].kill()
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-6000:]
     steps = _steps(root, "kill")
     assert [r["step"] for r in steps] == list(range(1, 5))
     assert all(r["reward/errors"] == 0 and r["staleness/max"] <= 2 for r in steps)
     assert sum(r.get("rollout/failed_calls", 0) for r in steps) >= 1
-    assert steps[-1]["rollout/groups_by_replica/r1"] == 2  # the survivor serves every group at the end
+    assert steps[-1][f"rollout/groups_by_replica/{survivor_id}"] == 2  # the survivor serves every group at the end

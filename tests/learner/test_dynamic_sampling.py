@@ -1,5 +1,6 @@
 """DAPO's dynamic sampling and overlong shaping in real runs on the demo task (arithmetic prompts, dgrpo.cli.tasks):
-a sampler replica (vLLM on CPU, the tiny model), a rewarder, and learners with learner.algorithm.filter_groups on,
+the session's shared sampler replicas (tests/shared_services.py: vLLM on CPU, the tiny model, max_model_len 512,
+pause_mode=keep), a rewarder of this module's, and learners with learner.algorithm.filter_groups on,
 lockstep and asynchronous (rollout.max_staleness). The reward is a coin toss per completion (character-count parity)
 plus DAPO's length penalty, so about half the groups of two carry no signal: the metrics must show them dropped and
 replaced, every trained step holding train_batch_size groups, none of them flat.
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from loop_support import REWARD_FNS, fixed_port, read_jsonl
+from loop_support import REWARD_FNS, read_jsonl
 from support import ServiceProcess, free_port
 
 from dgrpo.cli.tasks import write_task
@@ -25,25 +26,20 @@ SPEC = (f"rewarder.spec={{name: parity, functions: [{{type: file, path: {REWARD_
 
 
 @pytest.fixture(scope="module")
-def stack(child_processes, tiny_model, tmp_path_factory):
+def _config(_shared_replicas_session, tmp_path_factory):
+    """This module's rewarder (the parity reward) and learner config for the shared replicas."""
     root = tmp_path_factory.mktemp("dapo")
-    announce, control = fixed_port(), fixed_port()
-    weights = [f"weights.announce_port={announce}", f"weights.control_port={control}", "weights.pause_mode=keep"]
-    port = free_port()
-    sampler = ServiceProcess("sampler", [f"model.path={tiny_model}", "model.dtype=float32", f"sampler.port={port}",
-                                         "sampler.host=127.0.0.1", "sampler.enforce_eager=true",
-                                         "sampler.max_model_len=256", "sampler.shutdown_grace_s=1", *weights], port)
+    shared = _shared_replicas_session
     rport = free_port()
     rewarder = ServiceProcess("rewarder", [f"rewarder.port={rport}", "rewarder.host=127.0.0.1", "rewarder.workers=1",
                                            SPEC], rport)
     try:
-        for svc in (rewarder, sampler):
-            svc.wait_ready(timeout=400)
+        rewarder.wait_ready(timeout=400)
         train, _ = write_task(root / "task", n_train=64, n_val=4, seed=1, fmt="jsonl")
         config = {
-            "model": {"path": str(tiny_model), "dtype": "float32"},
-            "sampler": {"addresses": [sampler.address], "max_model_len": 256},
-            "weights": {"announce_port": announce, "control_port": control, "pause_mode": "keep"},
+            "model": {"path": shared.model_path, "dtype": "float32"},
+            "sampler": {"addresses": shared.addresses, "max_model_len": shared.max_model_len},
+            "weights": shared.weights,
             "learner": {
                 "data": {"train_files": [str(train)], "train_batch_size": BATCH, "max_prompt_length": 128, "seed": 2},
                 # unseeded: the tiny random model's samples hardly depend on the prompt, so a fixed seed would give
@@ -64,11 +60,14 @@ def stack(child_processes, tiny_model, tmp_path_factory):
         (root / "stack.yaml").write_text(yaml.safe_dump(config))
         yield {"root": root, "config": root / "stack.yaml"}
     finally:
-        for svc in (rewarder, sampler):
-            if svc.proc.poll() is None:
-                svc.proc.terminate()
-        for svc in (rewarder, sampler):
-            svc.stop(timeout=30)
+        rewarder.stop(timeout=30)
+
+
+@pytest.fixture
+def stack(shared_replicas, _config):
+    """The shared replicas (whole) and this module's rewarder and config."""
+    assert shared_replicas.weights["pause_mode"] == "keep"  # the asynchronous run's in-flight updates
+    return {**_config, "shared": shared_replicas}
 
 
 def learner(stack, name: str, *overrides: str) -> subprocess.CompletedProcess:
@@ -156,8 +155,10 @@ def test_verl_dapo_recipe_imports_and_runs(stack, tiny_model):
 
 
 def test_learner_refuses_a_replica_whose_context_cannot_hold_its_requests(stack):
-    """The replica (max_model_len 256) would refuse max_tokens past its context: the learner finds out from its Info
-    before the first step, naming both sides, instead of failing mid-run (the config claims 1024)."""
-    proc = learner(stack, "ctx", "sampler.max_model_len=1024", "learner.data.max_prompt_length=250")
+    """The replicas (max_model_len 512) would refuse max_tokens past their context: the learner finds out from their
+    Info before the first step, naming both sides, instead of failing mid-run (the config claims 1024)."""
+    real = stack["shared"].max_model_len
+    prompt = real - 10  # + max_response_length 16: past the replicas' context, within the config's claim
+    proc = learner(stack, "ctx", "sampler.max_model_len=1024", f"learner.data.max_prompt_length={prompt}")
     assert proc.returncode == 2, proc.stderr[-3000:]
-    assert "has max_model_len=256" in proc.stderr and "learner.data.max_prompt_length=250" in proc.stderr
+    assert f"has max_model_len={real}" in proc.stderr and f"learner.data.max_prompt_length={prompt}" in proc.stderr

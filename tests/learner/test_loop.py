@@ -1,7 +1,9 @@
 """The learner loop against real services: two sampler replicas (vLLM on CPU, tiny model), a rewarder, weight sync.
 
-One module-scoped stack serves every test (engine start-ups are the expensive part). Order matters: the last test
-kills a replica.
+The replicas and the rewarder are the session's shared pair (tests/shared_services.py: engine start-ups are the
+expensive part; test_async.py and test_dynamic_sampling.py use the same), so they may hold an earlier learner's
+versions: versions are asserted relative to the newest one a replica held before the run. The last test kills a
+replica; the shared fixture replaces it before the next test that uses the pair.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import grpc
 import pytest
 import torch
 import yaml
-from loop_support import fixed_port, read_jsonl, replicas_and_rewarder, sampler_info, start_rewarder, write_sums
+from loop_support import fixed_port, read_jsonl, sampler_info, start_rewarder, write_sums
 from support import ServiceProcess, free_port
 
 from dgrpo.common import devices
@@ -27,32 +29,40 @@ from dgrpo.v1 import learner_pb2, learner_pb2_grpc, sampler_pb2
 
 pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
-def stack(child_processes, tiny_model, tmp_path_factory):
-    """Rewarder + two sampler replicas subscribed to weight sync on free ports; all started in parallel."""
+def _config(_shared_replicas_session, tiny_model, tmp_path_factory):
+    """This module's learner config for the shared replicas and rewarder (a lockstep run: no max_staleness)."""
     root = tmp_path_factory.mktemp("loop")
-    with replicas_and_rewarder(tiny_model) as (samplers, rewarder, weights):
-        config = {
-            "model": {"path": str(tiny_model), "dtype": "float32"},
-            "sampler": {"addresses": [s.address for s in samplers], "max_model_len": 512},
-            "weights": weights,
-            "learner": {
-                "data": {**write_sums(root, 4), "train_batch_size": 2, "max_prompt_length": 64},
-                "rollout": {"n": 4, "max_response_length": 16, "seed": 3, "rewarder_address": rewarder.address},
-                "actor": {"ppo_mini_batch_size": 2, "micro_batch_size_per_device": 8, "dtype": "float32",
-                          "compute_entropy": False},
-                "optim": {"lr": 1e-3},
-                "checkpoint": {"save_freq": 1, "keep_last": None},
-                "trainer": {"total_training_steps": 2, "test_freq": 2, "control_port": 0,
-                            "log_dir": str(root / "runs")},
-            },
-        }
-        (root / "stack.yaml").write_text(yaml.safe_dump(config))
-        yield {"root": root, "config": root / "stack.yaml", "samplers": samplers, "rewarder": rewarder}
+    shared = _shared_replicas_session
+    config = {
+        "model": {"path": str(tiny_model), "dtype": "float32"},
+        "sampler": {"addresses": shared.addresses, "max_model_len": 512},
+        "weights": shared.weights,
+        "learner": {
+            "data": {**write_sums(root, 4), "train_batch_size": 2, "max_prompt_length": 64},
+            "rollout": {"n": 4, "max_response_length": 16, "seed": 3, "rewarder_address": shared.rewarder.address},
+            "actor": {"ppo_mini_batch_size": 2, "micro_batch_size_per_device": 8, "dtype": "float32",
+                      "compute_entropy": False},
+            "optim": {"lr": 1e-3},
+            "checkpoint": {"save_freq": 1, "keep_last": None},
+            "trainer": {"total_training_steps": 2, "test_freq": 2, "control_port": 0,
+                        "log_dir": str(root / "runs")},
+        },
+    }
+    (root / "stack.yaml").write_text(yaml.safe_dump(config))
+    return {"root": root, "config": root / "stack.yaml"}
+
+
+@pytest.fixture
+def stack(shared_replicas, _config):
+    """The shared replicas (whole: one killed by an earlier test is replaced) and this module's config."""
+    return {**_config, "shared": shared_replicas, "samplers": shared_replicas.samplers,
+            "rewarder": shared_replicas.rewarder}
 
 
 def test_short_run_trains_publishes_and_logs(stack, tiny_model):
     """`dgrpo learner --config ... overrides`: 2 steps, weights change, versions increase, samplers serve them."""
     root = stack["root"]
+    base = stack["shared"].fresh_run_base()
     cmd = [sys.executable, "-m", "dgrpo.cli", "learner", "--config", str(stack["config"]),
            f"learner.checkpoint.dir={root / 'ckpt_a'}", "learner.trainer.run_name=a",
            "learner.trainer.loggers=[console,jsonl,tensorboard]"]
@@ -63,7 +73,7 @@ def test_short_run_trains_publishes_and_logs(stack, tiny_model):
     steps = [r for r in records if "actor/loss" in r]
     assert [r["step"] for r in steps] == [1, 2]
     assert all(math.isfinite(r["actor/loss"]) and math.isfinite(r["actor/grad_norm"]) for r in steps)
-    assert [r["weights/version"] for r in steps] == [1.0, 2.0]
+    assert [r["weights/version"] for r in steps] == [base + 1.0, base + 2.0]
     assert all(r["rollout/replicas"] == 2 and r["rollout/failed_calls"] == 0 for r in steps)
     # One prompt per replica, unless a replica lagging (e.g. still loading the version) had its prompt hedged.
     assert all(r.get("rollout/groups_by_replica/r0") == r.get("rollout/groups_by_replica/r1") == 1
@@ -83,7 +93,7 @@ def test_short_run_trains_publishes_and_logs(stack, tiny_model):
     trained = torch.load(root / "ckpt_a" / "step_2" / "model.pt", weights_only=True)
     assert any(not torch.equal(trained[k].float(), initial[k].float()) for k in initial if k in trained)
     for svc in stack["samplers"]:  # every replica loaded the last version
-        assert sampler_info(svc.address).weight_version == 2
+        assert sampler_info(svc.address).weight_version == base + 2
 
 
 def test_resume_repeats_the_uninterrupted_step_and_stop_rpc(stack):
@@ -91,6 +101,8 @@ def test_resume_repeats_the_uninterrupted_step_and_stop_rpc(stack):
     from dgrpo.cli.main import main
 
     root = stack["root"]
+    held = stack["shared"].newest_version()
+    run_a = [r for r in read_jsonl(root / "runs" / "a" / "metrics.jsonl") if "actor/loss" in r]
     argv = ["learner", "--config", str(stack["config"]), f"learner.checkpoint.resume={root / 'ckpt_a' / 'step_1'}",
             f"learner.checkpoint.dir={root / 'ckpt_b'}", "learner.trainer.run_name=b",
             "learner.trainer.total_training_steps=6", f"learner.trainer.control_port={fixed_port()}"]
@@ -120,8 +132,10 @@ def test_resume_repeats_the_uninterrupted_step_and_stop_rpc(stack):
     watcher.join(timeout=10)
 
     assert seen and seen[0].total_steps == 6
-    # Replicas held run a's v2: the resumed weights were published as v3, and each step adds one.
-    assert all(s.weight_version == s.step + 2 for s in seen if s.phase != "setup")
+    # Replicas held run a's last version (v2 on fresh replicas): the resumed weights were published as the next,
+    # and each step adds one.
+    assert held == run_a[-1]["weights/version"]
+    assert all(s.weight_version == s.step + held for s in seen if s.phase != "setup")
     done = sorted(int(p.name.split("_")[1]) for p in (root / "ckpt_b").glob("step_*"))
     assert 2 in done and max(done) < 6  # stopped early, with a checkpoint
     a = torch.load(root / "ckpt_a" / "step_2" / "model.pt", weights_only=True)
