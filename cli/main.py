@@ -122,11 +122,11 @@ def main(argv: list[str] | None = None) -> int:
     process_entry = argv is None  # the process's own command line: only then may it start itself again
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["up"]:  # the launcher has its own options (--samplers, ...)
-        from dgrpo.cli.up import main as up_main
+        from dgrpo.cli.launch.up import main as up_main
 
         return up_main(argv[1:])
     if argv[:1] == ["import-config"]:  # reads a peer's file, not a stack config
-        from dgrpo.cli.import_config import main as import_main
+        from dgrpo.cli.importers.command import main as import_main
 
         return import_main(argv[1:])
     if argv[:1] in (["doctor"], ["plan"]):  # their own options (--json, --device-memory-gb, ...)

@@ -75,7 +75,7 @@ HEAVY = ("torch", "grpc", "vllm", "transformers", "numpy")
 SCHEMA_MODULES = {
     "dgrpo.common.config", "dgrpo.common.model_config", "dgrpo.common.auth_config", "dgrpo.common.tracing_config",
     "dgrpo.weights.config", "dgrpo.tools.config", "dgrpo.sampler.config", "dgrpo.rewarder.config",
-    "dgrpo.learner.config", "dgrpo.learner.actor_config", "dgrpo.cli.stack",
+    "dgrpo.learner.config", "dgrpo.learner.update.config", "dgrpo.cli.stack",
 }
 """The modules that define the config sections (StrictConfig subclasses), schemas only."""
 SCHEMA_HELPERS = {"dgrpo.common.devices"}
