@@ -43,6 +43,7 @@ from dgrpo.common.config import ConfigError, load_config
 from dgrpo.common.devices import DIST_BACKENDS, VISIBLE_DEVICES_ENV, find_tcmalloc, preloaded_allocator, visible_devices
 from dgrpo.common.models import model_dir
 from dgrpo.weights.shm import stale_bytes
+from dgrpo.weights.transports import transport_for
 
 Status = Literal["OK", "WARN", "FAIL"]
 SERVICES = ("sampler", "rewarder", "learner")
@@ -410,7 +411,7 @@ def check_model(service: str, path: str | None) -> Finding:
 def check_shm(service: str, cfg: Any, params: int | None) -> Finding | None:
     """The learner writes two weight slots of the published dtype into weights.shm_dir (/dev/shm)."""
     w = cfg.weights
-    if not w.enabled or w.transport != "shm":
+    if not w.enabled or not transport_for(w).slots_in_shm_dir:
         return None
     folder = Path(w.shm_dir)
     if not folder.is_dir():

@@ -27,7 +27,7 @@ TRANSPORTS = {"shm": pb.WEIGHT_TRANSPORT_SHM, "tcp": pb.WEIGHT_TRANSPORT_TCP,
               "collective": pb.WEIGHT_TRANSPORT_COLLECTIVE}
 TRANSPORT_NAMES = {v: k for k, v in TRANSPORTS.items()}
 SEGMENT = re.compile(r"^dgrpo-w-[A-Za-z0-9_.-]{1,64}-\d+-\d+-s[01]$")
-"""A learner slot's file name (weights/publisher.py segment_path): nothing else is ever opened from an announcement."""
+"""A learner slot's file name (weights/shm.py segment_path): nothing else is ever opened from an announcement."""
 MAX_CONTROL_REQUEST_BYTES = 4096
 """A control request is a few bytes; anything larger is refused before parsing."""
 

@@ -52,6 +52,7 @@ from dgrpo.weights.lora import check_adapter
 from dgrpo.weights.protocol import Announcement, ProtocolError
 from dgrpo.weights.shm import ShmSegment, owner_tag, reclaim_stale
 from dgrpo.weights.slot import WeightIntegrityError
+from dgrpo.weights.transports import transport_for, transport_of_wire
 
 log = logging.getLogger(__name__)
 
@@ -169,12 +170,11 @@ class WeightSubscriber:
         self._lock = asyncio.Lock()
         self._task: asyncio.Task | None = None
         self._control = f"tcp://{cfg.host}:{cfg.control_port}"
+        self._transport = transport_for(cfg)
         self._host = None  # collective: this host's relay (elected or not) and its index
-        if cfg.transport == "collective":
-            from dgrpo.weights.relay import HostIndex, HostRelay
-
-            self._relay = HostRelay(cfg, token)
-            self._host = HostIndex(self._relay.index_path)
+        relay = self._transport.host_relay(token)
+        if relay is not None:
+            self._relay, self._host = relay
 
     # --- lifecycle ---
 
@@ -242,11 +242,12 @@ class WeightSubscriber:
         except ProtocolError as e:
             self._reject(f"ignoring an announcement: {e}")
             return
-        if ann.streaming and self.cfg.transport == "tcp":
+        if ann.streaming and self._transport.fetches:
             return  # its bytes can only be fetched once complete: the complete announcement follows
-        if (ann.transport == protocol.TRANSPORTS["collective"]) != (self._host is not None) and ann.version > 0:
+        sent_by = transport_of_wire(ann.transport)
+        if sent_by.relayed != self._transport.relayed and ann.version > 0:
             self._reject(f"weight version {ann.version} comes by weights.transport="
-                         f"{protocol.TRANSPORT_NAMES[ann.transport]}, this sampler's is {self.cfg.transport!r} (the "
+                         f"{sent_by.name}, this sampler's is {self.cfg.transport!r} (the "
                          "learner and its samplers need the same)")
             return
         if self._host is not None:
@@ -361,7 +362,7 @@ class WeightSubscriber:
             return None
         t0 = time.perf_counter()
         try:
-            if self.cfg.transport == "tcp" or ann.transport == protocol.TRANSPORTS["tcp"]:
+            if self._transport.fetches or transport_of_wire(ann.transport).fetches:
                 ref = await self._fetch(ann)
             else:
                 # The slot's name under our own shm_dir: a container may mount the learner's /dev/shm elsewhere.

@@ -46,6 +46,7 @@ from dgrpo.common import devices
 from dgrpo.common.auth_config import TOKEN_ENV
 from dgrpo.common.config import ConfigError, load_config, to_yaml
 from dgrpo.common.preflight import check_folder, pick_free_ports
+from dgrpo.weights.transports import transport_for
 
 # A symlink to ../configs in the tree; package data when installed.
 REPO_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -368,7 +369,7 @@ def run(args) -> int:
 
     stack = Stack(config_path, run_dir, color=sys.stdout.isatty(), max_restarts=args.max_restarts,
                   start_timeout=args.start_timeout, hung_restart_s=args.hung_restart_s,
-                  weights_shm_dir=cfg.weights.shm_dir if cfg.weights.transport == "shm" else None)
+                  weights_shm_dir=cfg.weights.shm_dir if transport_for(cfg.weights).slots_in_shm_dir else None)
     interrupted = {"count": 0}
 
     def on_interrupt(signum, frame):
