@@ -163,7 +163,8 @@ def sampler_env(device: DeviceKind, environ: dict[str, str] | None = None) -> di
 
 def cpu_thread_binding(cores: str) -> dict[str, str]:
     """vLLM-CPU's OpenMP binding for a sampler.cpu_cores setting: auto (vLLM's default: one core kept for the
-    scheduler), all (every core this process may use, none reserved) or an explicit list such as 0-3."""
+    scheduler), all (every core this process may use, none reserved; a replica sharing the host with others binds
+    the share common/cpu_leases.py leases it, passed here as a list) or an explicit list such as 0-3."""
     if cores == "auto":
         return {}
     if cores == "all":

@@ -14,7 +14,7 @@ import signal
 import socket
 from typing import TYPE_CHECKING
 
-from dgrpo.common import devices, grpc_server, tracing
+from dgrpo.common import cpu_leases, devices, grpc_server, tracing
 from dgrpo.common.auth import server_credentials, server_interceptors
 from dgrpo.common.auth_config import AuthConfig, Credentials
 from dgrpo.common.logs import setup_logging
@@ -153,8 +153,16 @@ def main(model: ModelConfig, sampler: SamplerConfig, weights: WeightSyncConfig, 
     env = devices.sampler_env(device)
     if device == "cpu" and sampler.kv_cache_space_gib is not None:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(sampler.kv_cache_space_gib)
+    lease = None  # held until this process exits: the cores of `all` among this host's replicas
     if device == "cpu":
-        env.update(devices.cpu_thread_binding(sampler.cpu_cores))
+        cores = sampler.cpu_cores
+        if cores == "all":
+            lease = cpu_leases.claim(sampler.replica_id or socket.gethostname())
+            cores = lease.binding()
+            if lease.peers:
+                log.info("sampler.cpu_cores=all: binding cores %s, next to %d other replica(s) of this host on %s",
+                         cores, len(lease.peers), "; ".join(",".join(map(str, p)) for p in lease.peers))
+        env.update(devices.cpu_thread_binding(cores))
     os.environ.update(env)  # before vLLM is imported
     tracing.check(tracing_cfg or TracingConfig())  # missing packages fail before the engine loads
     lora = lora.on_device(device) if lora is not None else None  # merge_on_sync auto: as the learner decides it

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
 import subprocess
@@ -218,6 +219,15 @@ class Stack:
                 "print(i.weight_version, i.replica_id)")
         version, replica = run(["docker", "exec", cid, "python3", "-c", code]).stdout.split()
         return {"weight_version": int(version), "replica_id": replica}
+
+    def bound_cores(self, cid: str) -> list[int]:
+        """The cores a sampler container's engine bound its OpenMP threads to, as vLLM's CPU executor logged them
+        (vllm/utils/ompmultiprocessing.py: "local_rank=0, core ids=[...]")."""
+        out = run(["docker", "logs", cid])
+        logs = out.stdout + out.stderr
+        found = re.findall(r"local_rank=0, core ids=\[([0-9, ]*)\]", logs)
+        assert found, f"{cid}: no OpenMP binding in its log\n{logs[-3000:]}"
+        return [int(c) for c in found[-1].split(",") if c.strip()]
 
     def slots(self, cid: str) -> set[str]:
         """The weight-slot segments a container sees in its /dev/shm."""

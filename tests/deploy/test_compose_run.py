@@ -216,6 +216,15 @@ def test_the_added_replica_maps_the_same_weight_slots(stack, one_replica, scaled
     assert stack.slots(scaled_up["new"]) == stack.slots(one_replica["cids"]["learner"][0])
 
 
+def test_the_added_replica_binds_cores_of_its_own(stack, one_replica, scaled_up):
+    # sampler.cpu_cores=all: alone, every core; joining, the share common/cpu_leases.py leases it away from the busy
+    # replica's lowest core, where that engine's main thread runs (217 s to SERVING there against 48 s elsewhere)
+    first = stack.bound_cores(one_replica["cids"]["sampler"][0])
+    joined = stack.bound_cores(scaled_up["new"])
+    assert first == sorted(os.sched_getaffinity(0)) and joined and min(first) not in joined, (first, joined)
+    assert len(joined) == max(1, len(first) // 2), (first, joined)
+
+
 def test_both_replicas_serve_groups(scaled_up):
     assert len(scaled_up["served"]) == 2 and scaled_up["info"]["replica_id"] in scaled_up["served"], scaled_up
 
