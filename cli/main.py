@@ -132,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] in (["doctor"], ["plan"]):  # their own options (--json, --device-memory-gb, ...)
         from importlib import import_module
 
-        return import_module(f"dgrpo.cli.{argv[0]}").main(argv[1:])
+        module = {"doctor": "dgrpo.cli.doctor.command", "plan": "dgrpo.cli.plan"}[argv[0]]
+        return import_module(module).main(argv[1:])
     args = build_parser().parse_args(argv)
     from dgrpo.cli.stack import StackConfig
 
@@ -143,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"dgrpo {args.command}: {e}", file=sys.stderr)
         return 2
-    from dgrpo.cli.doctor import SERVICES, report_failures, startup_failures
+    from dgrpo.cli.doctor.command import SERVICES, report_failures, startup_failures
 
     # The same checks as `dgrpo doctor`, for this service: refuse to start on a FAIL.
     if args.command in SERVICES and report_failures(f"dgrpo {args.command}", startup_failures(cfg, (args.command,))):

@@ -353,7 +353,7 @@ def run(args) -> int:
     except (ConfigError, FileNotFoundError) as e:
         print(f"dgrpo up: {e}", file=sys.stderr)
         return 2
-    from dgrpo.cli.doctor import SERVICES, report_failures, startup_failures
+    from dgrpo.cli.doctor.command import SERVICES, report_failures, startup_failures
 
     # `dgrpo doctor`'s checks for every service (ports: preflight_stack checked the ones up assigned).
     if report_failures("dgrpo up", startup_failures(cfg, SERVICES, ports=False)):
