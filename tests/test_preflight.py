@@ -125,7 +125,7 @@ def test_learner_with_a_missing_logger_exits_2_with_one_line_and_no_traceback(ch
     argv = ["learner", f"learner.data.train_files=[{train}]", f"learner.checkpoint.dir={tmp_path / 'ckpt'}",
             f"learner.trainer.log_dir={tmp_path / 'runs'}", "learner.trainer.control_port=0",
             "learner.trainer.loggers=[console,wandb]"]
-    absent = (f"import sys; from dgrpo.learner import metrics; metrics.LOGGER_PACKAGES['wandb'] = ({ABSENT!r}, "
+    absent = (f"import sys; from dgrpo.learner.records import metrics; metrics.LOGGER_PACKAGES['wandb'] = ({ABSENT!r}, "
               "metrics.LOGGER_PACKAGES['wandb'][1]); from dgrpo.cli.main import main; sys.exit(main(sys.argv[1:]))")
     proc = subprocess.run([sys.executable, "-c", absent, *argv], check=False, capture_output=True, text=True,
                           timeout=120)
