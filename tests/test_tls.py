@@ -21,7 +21,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from dgrpo.cli.launch.up import Service, Stack
+from dgrpo.cli.launch.supervisor import Service, Stack
 from dgrpo.cli.stack import StackConfig
 from dgrpo.common import auth
 from dgrpo.common.auth_config import TOKEN_ENV, AuthConfig, Credentials, TlsMaterial
