@@ -32,7 +32,7 @@ from dgrpo.sampler.engine import SamplerEngine
 from dgrpo.sampler.weight_target import paused_generation
 from dgrpo.weights.config import WeightSyncConfig
 from dgrpo.weights.slot import WeightIntegrityError
-from dgrpo.weights.subscriber import SlotRef
+from dgrpo.weights.target import SlotRef
 
 LORA_NAME = "dgrpo-policy"
 """The adapter's name in vLLM (one adapter at a time: the policy's current version)."""

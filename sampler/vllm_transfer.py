@@ -68,7 +68,7 @@ class SlotInitInfo(WeightTransferInitInfo):
 
 @dataclass
 class SlotUpdateInfo(WeightTransferUpdateInfo):
-    """One phase of loading one version from a slot (dgrpo.weights.subscriber.SlotRef plus the phase)."""
+    """One phase of loading one version from a slot (dgrpo.weights.target.SlotRef plus the phase)."""
 
     phase: Literal["stage", "apply"]
     path: str
@@ -125,7 +125,7 @@ class SlotTransferEngine(WeightTransferEngine[SlotInitInfo, SlotUpdateInfo]):
 
     def receive_weights(self, update_info: SlotUpdateInfo) -> None:
         from dgrpo.weights.slot import WeightIntegrityError
-        from dgrpo.weights.subscriber import TornLoad
+        from dgrpo.weights.target import TornLoad
 
         try:
             if update_info.phase == "stage":
@@ -190,7 +190,7 @@ class SlotTransferEngine(WeightTransferEngine[SlotInitInfo, SlotUpdateInfo]):
         """Load the staged version; a streamed one (odd seq: still being written) is opened here and each tensor is
         verified as it is read. Any failure from here on may leave the model mixed: it raises TornLoad."""
         from dgrpo.weights.slot import WeightIntegrityError
-        from dgrpo.weights.subscriber import TornLoad
+        from dgrpo.weights.target import TornLoad
 
         streamed = info.seq % 2 == 1
         if streamed:

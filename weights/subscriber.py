@@ -37,10 +37,8 @@ import logging
 import struct
 import time
 import weakref
-from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 import zmq
 import zmq.asyncio
@@ -52,6 +50,7 @@ from dgrpo.weights.lora import check_adapter
 from dgrpo.weights.protocol import Announcement, ProtocolError
 from dgrpo.weights.shm import ShmSegment, owner_tag, reclaim_stale
 from dgrpo.weights.slot import WeightIntegrityError
+from dgrpo.weights.target import SlotRef, WeightChannelBroken, WeightTarget
 from dgrpo.weights.transports import transport_for, transport_of_wire
 
 log = logging.getLogger(__name__)
@@ -60,56 +59,6 @@ HOST_POLL_S = 0.02
 """collective: how often a replica checks its host's index for a version the relay wrote (a stat call)."""
 MAX_TORN_RETRIES = 3
 """Loads in a row that failed after touching the model before the replica gives up and stops serving."""
-
-
-@dataclass(frozen=True)
-class SlotRef:
-    """Where a target reads one version: msgpack-able fields only (they cross into vLLM's workers). An odd `seq`
-    means streamed: the write is still going on, each tensor is read once it is complete."""
-
-    path: str
-    version: int
-    seq: int
-    manifest_xxh3: int
-    verify: bool
-    stall_timeout_s: float
-
-    @property
-    def streamed(self) -> bool:
-        return self.seq % 2 == 1
-
-
-class WeightTarget(Protocol):
-    """What a subscriber loads versions into. Implementations: the sampler's vLLM adapter
-    (dgrpo.sampler.weight_target) and the torch-module target of the channel's tests."""
-
-    @property
-    def weight_version(self) -> int: ...
-
-    async def stage(self, ref: SlotRef) -> None:
-        """Open and verify `ref` without touching the model (generation may run); raise WeightIntegrityError.
-        Never called for a streamed ref: its tensors are verified one by one as `apply` reads them."""
-
-    def paused(self) -> AbstractAsyncContextManager[float]:
-        """Generation paused inside the block; yields the seconds pausing took. A block that raises
-        WeightChannelBroken must leave generation paused (the model may hold a mix of versions)."""
-
-    async def apply(self, ref: SlotRef) -> None:
-        """Load the staged (or streamed) `ref` inside `paused()`. Raises WeightIntegrityError once the model may
-        hold a mix of versions: TornLoad when a write overlapped the load; for a streamed ref also a bad checksum,
-        an abandoned or a stalled write."""
-
-    def set_version(self, version: int) -> None:
-        """Record the version now served (inside `paused()`, after a successful apply)."""
-
-
-class TornLoad(WeightIntegrityError):
-    """A write overlapped a load: the model holds a mix of two versions and must not serve until reloaded."""
-
-
-
-class WeightChannelBroken(RuntimeError):
-    """The replica cannot reach an untorn version: it must not serve (its supervisor restarts it)."""
 
 
 @dataclass

@@ -31,7 +31,8 @@ import xxhash
 from dgrpo.weights.config import WeightSyncConfig
 from dgrpo.weights.shm import open_readonly
 from dgrpo.weights.slot import SlotReader, WeightIntegrityError
-from dgrpo.weights.subscriber import SlotRef, TornLoad, WeightChannelBroken, WeightSubscriber
+from dgrpo.weights.subscriber import WeightSubscriber
+from dgrpo.weights.target import SlotRef, TornLoad, WeightChannelBroken
 
 
 def emit_json(event: str, **fields) -> None:
