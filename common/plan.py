@@ -398,6 +398,8 @@ def _weight_slots(m: ModelShape, cfg: Any, device: str) -> Term | None:
     if not cfg.weights.enabled:
         return None
     size, dtype = DTYPE_BYTES[cfg.model.dtype], cfg.model.dtype
+    # Per transport, but here: common/ imports nothing of weights/ (weights/ builds on common/), and this is one
+    # input of the memory formulas, kept next to them (docs/weight_sync.md, weight slots).
     where = {"shm": ("2 slots", 2, f"in {cfg.weights.shm_dir}"),
              "collective": ("2 slots", 2, f"in {cfg.weights.shm_dir} of each sampler host (its relay's)"),
              "tcp": ("1 staging copy", 1, f"in {cfg.weights.shm_dir} of each replica")}

@@ -116,6 +116,8 @@ def decode_announcement(frames: list[bytes]) -> pb.WeightAnnouncement:
         raise ProtocolError(f"announcement of version {ann.version}: slot {ann.slot} does not exist")
     if ann.transport not in TRANSPORT_NAMES:
         raise ProtocolError(f"announcement of version {ann.version}: unknown transport {ann.transport}")
+    # Wire facts of the enum, not the strategies' traits: asking weights/transports/ from here would close a cycle
+    # (transports -> collective, relay -> slot -> protocol), and this check must run wherever frames are decoded.
     if ann.transport == pb.WEIGHT_TRANSPORT_SHM and not SEGMENT.match(ann.segment):
         raise ProtocolError(f"announcement of version {ann.version}: segment {ann.segment!r} is not a weight "
                             "slot's file name")
