@@ -148,14 +148,10 @@ class SlotTransferEngine(WeightTransferEngine[SlotInitInfo, SlotUpdateInfo]):
     # --- the two phases ---
 
     def _open(self, info: SlotUpdateInfo) -> None:
-        from dgrpo.weights.slot import SlotReader, WeightIntegrityError
+        from dgrpo.weights.slot import open_slot
 
         self._release()
-        try:
-            mapped = self._mapping(info.path)
-        except FileNotFoundError:
-            raise WeightIntegrityError(f"slot {info.path} no longer exists (learner gone?)") from None
-        self._staged = (SlotReader(mapped, info.version, info.seq, info.manifest_xxh3, info.stall_timeout_s), mapped)
+        self._staged = open_slot(info, self._mapping)
 
     def _mapping(self, path: str):
         """A read-only mapping of `path`, reused while the file is the same one at the same size."""
@@ -177,11 +173,8 @@ class SlotTransferEngine(WeightTransferEngine[SlotInitInfo, SlotUpdateInfo]):
 
     def _stage(self, info: SlotUpdateInfo) -> None:
         self._open(info)
-        reader = self._staged[0]
         try:
-            if info.verify:
-                reader.verify()
-            reader.check_intact()  # what was verified is still what the slot holds
+            self._staged[0].stage(info.verify)
         except BaseException:
             self._release()
             raise
