@@ -61,8 +61,8 @@ def worker(rank: int, port: int, args, memory: bool) -> None:
     import torch
     import torch.distributed as dist
 
-    from dgrpo.learner.actor import load_causal_lm
-    from dgrpo.learner.distributed import shard_model
+    from dgrpo.learner.update.actor import load_causal_lm
+    from dgrpo.learner.update.distributed import shard_model
     from dgrpo.weights.gather import full_tensors
     from dgrpo.weights.rounding import publish_cast
 

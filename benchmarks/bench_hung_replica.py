@@ -39,7 +39,7 @@ def group_of(port: int) -> list[int]:
     """The process group of the service listening on `port` (what `dgrpo up` reaps as one)."""
     import psutil
 
-    from dgrpo.cli.procs import group_pids
+    from dgrpo.cli.launch.procs import group_pids
 
     pid = next(c.pid for c in psutil.net_connections(kind="tcp")
                if c.status == psutil.CONN_LISTEN and c.laddr.port == port and c.pid)

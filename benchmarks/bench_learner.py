@@ -18,7 +18,7 @@ import time
 
 
 def make_batch(n: int, max_completion: int, seed: int):
-    from dgrpo.learner.batch import Sequence
+    from dgrpo.learner.update.batch import Sequence
 
     rng = random.Random(seed)
     seqs = []
@@ -44,8 +44,8 @@ def main() -> None:
     import torch
 
     from dgrpo.common.models import resolve_model_path
-    from dgrpo.learner.actor import Actor
-    from dgrpo.learner.actor_config import ActorConfig, AlgorithmConfig, OptimConfig
+    from dgrpo.learner.update.actor import Actor
+    from dgrpo.learner.update.config import ActorConfig, AlgorithmConfig, OptimConfig
 
     path = resolve_model_path(args.model)
     seqs = make_batch(args.sequences, args.max_completion, seed=0)

@@ -77,8 +77,8 @@ def child_learner(model: str, overrides: list[str]) -> dict:
     """One Actor.update on one full micro-batch per mini-batch at the config's longest lengths."""
     import torch
 
-    from dgrpo.learner.actor import Actor
-    from dgrpo.learner.batch import Sequence
+    from dgrpo.learner.update.actor import Actor
+    from dgrpo.learner.update.batch import Sequence
 
     torch.manual_seed(0)
     cfg = _stack([f"model.path={model}", *overrides])

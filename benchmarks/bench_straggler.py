@@ -83,7 +83,7 @@ VARIANTS = {  # layout -> the learner.rollout settings it runs with
 
 async def one_batch(client, token_ids: list[int], args) -> tuple[float, int]:
     """(seconds, prompts hedged) of one batch."""
-    from dgrpo.learner.rollout import RolloutStats, make_prompt
+    from dgrpo.learner.rollout.client import RolloutStats, make_prompt
     from dgrpo.v1 import sampler_pb2
 
     prompts = [make_prompt(f"p{i}", token_ids) for i in range(args.prompts)]
@@ -98,9 +98,9 @@ async def one_batch(client, token_ids: list[int], args) -> tuple[float, int]:
 async def all_rounds(healthy, slow, token_ids: list[int], args) -> tuple[dict, dict]:
     """Every layout's (seconds, hedged prompts) per round. One rollout client per layout for all rounds, as the
     learner holds one for a run (what it learned about a straggler in one step is there in the next)."""
-    from dgrpo.cli.procs import group_pids
+    from dgrpo.cli.launch.procs import group_pids
     from dgrpo.learner.config import RolloutConfig
-    from dgrpo.learner.rollout import RolloutClient
+    from dgrpo.learner.rollout.client import RolloutClient
 
     both = [healthy.address, slow.address]
     clients = {"healthy alone": RolloutClient([healthy.address], RolloutConfig())}

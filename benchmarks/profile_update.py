@@ -29,7 +29,7 @@ MODES = {
 
 def demo_batch(seed: int = 0, zero_groups: int = 0):
     """The first `zero_groups` groups scored alike (advantage 0: no gradient without a KL)."""
-    from dgrpo.learner.batch import Sequence
+    from dgrpo.learner.update.batch import Sequence
 
     rng = random.Random(seed)
     seqs = []
@@ -54,8 +54,8 @@ def main() -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from dgrpo.common.models import resolve_model_path
-    from dgrpo.learner.actor import Actor
-    from dgrpo.learner.actor_config import ActorConfig, AlgorithmConfig, OptimConfig
+    from dgrpo.learner.update.actor import Actor
+    from dgrpo.learner.update.config import ActorConfig, AlgorithmConfig, OptimConfig
 
     path, seqs = resolve_model_path(None), demo_batch(zero_groups=args.zero_groups)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {len(seqs)} sequences, "

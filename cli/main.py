@@ -122,17 +122,18 @@ def main(argv: list[str] | None = None) -> int:
     process_entry = argv is None  # the process's own command line: only then may it start itself again
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["up"]:  # the launcher has its own options (--samplers, ...)
-        from dgrpo.cli.up import main as up_main
+        from dgrpo.cli.launch.up import main as up_main
 
         return up_main(argv[1:])
     if argv[:1] == ["import-config"]:  # reads a peer's file, not a stack config
-        from dgrpo.cli.import_config import main as import_main
+        from dgrpo.cli.importers.command import main as import_main
 
         return import_main(argv[1:])
     if argv[:1] in (["doctor"], ["plan"]):  # their own options (--json, --device-memory-gb, ...)
         from importlib import import_module
 
-        return import_module(f"dgrpo.cli.{argv[0]}").main(argv[1:])
+        module = {"doctor": "dgrpo.cli.doctor.command", "plan": "dgrpo.cli.plan"}[argv[0]]
+        return import_module(module).main(argv[1:])
     args = build_parser().parse_args(argv)
     from dgrpo.cli.stack import StackConfig
 
@@ -143,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"dgrpo {args.command}: {e}", file=sys.stderr)
         return 2
-    from dgrpo.cli.doctor import SERVICES, report_failures, startup_failures
+    from dgrpo.cli.doctor.command import SERVICES, report_failures, startup_failures
 
     # The same checks as `dgrpo doctor`, for this service: refuse to start on a FAIL.
     if args.command in SERVICES and report_failures(f"dgrpo {args.command}", startup_failures(cfg, (args.command,))):

@@ -48,7 +48,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.learner_ranks < 1:
         parser.error("--learner-ranks must be >= 1")
-    from dgrpo.cli.doctor import device_info, resolve_device
+    from dgrpo.cli.doctor.devices import device_info, resolve_device
     from dgrpo.cli.stack import StackConfig
     from dgrpo.common.plan import plan_stack
 

@@ -57,11 +57,11 @@ class StackConfig(StrictConfig):
                 f"learner.algorithm.overlong_buffer.len={ob.len} exceeds the maximum response length {top} it ends at "
                 "(verl asserts max_resp_len >= overlong_buffer.len)"
             )
-        if self.weights.transport == "collective" and self.model.device != "auto":
-            from dgrpo.common.devices import weight_collective_backend
+        if self.model.device != "auto":
+            from dgrpo.weights.transports import transport_for
 
             try:  # model.device=auto is resolved, and checked the same way, when the learner starts
-                weight_collective_backend(self.weights.collective_backend, self.model.device)
+                transport_for(self.weights).check_device(self.model.device)
             except ValueError as e:
                 raise ConfigError(str(e)) from None
         if self.learner.rollout.max_staleness and self.weights.pause_mode == "abort":

@@ -210,7 +210,7 @@ def learner_terms(m: ModelShape, cfg: Any, ranks: int, device: str, tokens: int 
         out.append(Term("FSDP gathered", gathered, "reshard_after_forward: 2 layers gathered + 2 unsharded layer "
                         "gradients (fp32)" if a.fsdp_reshard_after_forward else "ZeRO-2: whole model gathered"))
     if a.dtype == "bfloat16" and not lora.enabled and a.bf16_weights == "published" and W == 1:  # else autocast
-        out.append(Term("bf16 compute copy", 2 * P, "learner/compute_copy.py: the 2 B weights forwards run on"))
+        out.append(Term("bf16 compute copy", 2 * P, "learner/update/compute_copy.py: the 2 B weights forwards run on"))
         out.append(Term("bf16 copy gradients", 2 * P, "2 B x params: one micro-batch's, before they join the fp32 "
                         "gradients"))
     elif a.dtype == "bfloat16" and not lora.enabled:  # (a LoRA base is stored in bf16: nothing to cast)
@@ -398,6 +398,8 @@ def _weight_slots(m: ModelShape, cfg: Any, device: str) -> Term | None:
     if not cfg.weights.enabled:
         return None
     size, dtype = DTYPE_BYTES[cfg.model.dtype], cfg.model.dtype
+    # Per transport, but here: common/ imports nothing of weights/ (weights/ builds on common/), and this is one
+    # input of the memory formulas, kept next to them (docs/weight_sync.md, weight slots).
     where = {"shm": ("2 slots", 2, f"in {cfg.weights.shm_dir}"),
              "collective": ("2 slots", 2, f"in {cfg.weights.shm_dir} of each sampler host (its relay's)"),
              "tcp": ("1 staging copy", 1, f"in {cfg.weights.shm_dir} of each replica")}

@@ -21,7 +21,7 @@ from dgrpo.common.config import ConfigError
 
 GB = 1e9
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
-# What one checkpoint holds per parameter (learner/checkpoint.py): fp32 weights in model.pt, AdamW's two fp32
+# What one checkpoint holds per parameter (learner/records/checkpoint.py): fp32 weights in model.pt, AdamW's two fp32
 # moments in optimizer.pt. Scheduler, RNG and data-position files are kilobytes.
 CHECKPOINT_BYTES_PER_PARAM = {"model": 4, "optimizer": 8, "extra": 0}
 
@@ -51,7 +51,7 @@ def parameter_count(model_dir: str | Path) -> int | None:
 
 
 def checkpoint_bytes(params: int, contents: list[str]) -> int:
-    """Disk one checkpoint of a `params`-parameter model takes (learner/checkpoint.py's layout)."""
+    """Disk one checkpoint of a `params`-parameter model takes (learner/records/checkpoint.py's layout)."""
     return params * sum(CHECKPOINT_BYTES_PER_PARAM[c] for c in contents)
 
 

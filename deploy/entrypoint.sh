@@ -3,7 +3,7 @@
 # 1. Load the Ascend toolkit environment where the image has one (CANN's set_env.sh files put the runtime libraries
 #    and ASCEND_* paths in place). On CPU and CUDA images the files are absent.
 # 2. `dgrpo learner ...` with DGRPO_NPROC_PER_NODE=N > 1 runs under torchrun, one rank per device (the learner's
-#    data parallelism, learner/distributed.py), so override files change a variable instead of repeating the
+#    data parallelism, learner/update/distributed.py), so override files change a variable instead of repeating the
 #    learner's whole command line.
 # 3. DGRPO_OVERRIDES (space-separated key=value) is appended to a `dgrpo <service>` command: compose passes
 #    DGRPO_LEARNER_OVERRIDES / DGRPO_SAMPLER_OVERRIDES / DGRPO_REWARDER_OVERRIDES through it (docs/deploy.md), so a step

@@ -21,7 +21,7 @@ from dgrpo.common.auth_config import AuthConfig
 from dgrpo.common.config import StrictConfig
 from dgrpo.common.model_config import ModelConfig
 from dgrpo.common.tracing_config import TracingConfig
-from dgrpo.learner.actor_config import ActorConfig, AlgorithmConfig, CheckpointConfig, OptimConfig
+from dgrpo.learner.update.config import ActorConfig, AlgorithmConfig, CheckpointConfig, OptimConfig
 from dgrpo.tools.config import MultiTurnConfig
 from dgrpo.weights.config import LoraConfig, WeightSyncConfig
 
@@ -117,11 +117,12 @@ class RolloutConfig(StrictConfig):
     """A replica holding prompts whose engine steps slower than this share of the fastest replica's, at two checks
     in a row, is a straggler: its pending prompts are hedged at once on the fastest healthy replica, busy or not
     (its engine batches them with its own work), instead of after that replica has finished its chunk and waited
-    `hedge_after_s` (learner/stragglers.py). null: hedge from idle replicas only. Off with `hedge_after_s: null`."""
+    `hedge_after_s` (learner/rollout/stragglers.py). null: hedge from idle replicas only. Off with `hedge_after_s:
+    null`."""
     straggler_check_s: float = Field(default=0.25, gt=0)
     """How often the engine step counters (Info's engine_steps) of the replicas holding prompts are read."""
     max_staleness: int = Field(default=0, ge=0, le=16)
-    """Asynchronous GRPO (learner/pipeline.py): how many versions behind the policy being updated a sample may
+    """Asynchronous GRPO (learner/rollout/pipeline.py): how many versions behind the policy being updated a sample may
     be. 0: lockstep, on-policy (sample, then train, then publish). k >= 1: batches t+1 ... t+k are sampled and
     scored while batch t trains, so the samplers never wait for the update; a group sampled by weights older than
     (current version - k) is never trained on. Pair it with weights.pause_mode=keep (updates land between engine
@@ -161,7 +162,7 @@ class TrainerConfig(StrictConfig):
     'dgrpo[tensorboard]'`); wandb: Weights & Biases (`pip install 'dgrpo[wandb]'`, then `wandb login`, or
     WANDB_MODE=offline); mlflow: MLflow tracking (`pip install 'dgrpo[mlflow]'`; the server or folder in
     MLFLOW_TRACKING_URI, else MLflow's default). A logger whose package is missing stops the learner at start,
-    naming it (learner/metrics.py, LOGGER_PACKAGES)."""
+    naming it (learner/records/metrics.py, LOGGER_PACKAGES)."""
     wandb_project: str = "dgrpo"
     """W&B project, with loggers including wandb (the run is named `run_name`)."""
     mlflow_experiment: str = "dgrpo"
@@ -204,7 +205,7 @@ class TrainerConfig(StrictConfig):
     compose's `restart: on-failure`). idle: record the end in <log_dir>/<run_name>/ended.json and keep the control
     service answering Status (phase done / stopped) until SIGTERM, for supervisors that restart every exit (a
     Kubernetes StatefulSet): a restarted learner that finds the record trains nothing. A run ended by a signal
-    writes no record, so its restart resumes from the newest checkpoint. learner/run_end.py."""
+    writes no record, so its restart resumes from the newest checkpoint. learner/records/run_end.py."""
 
 
 class LearnerConfig(StrictConfig):

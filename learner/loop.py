@@ -1,12 +1,13 @@
 """The GRPO training loop: sample groups -> score -> advantages -> actor update -> publish weights -> log.
 
 `Trainer.setup()` builds the components in dependency order; `Trainer.step()` reads like the algorithm. Each phase
-lives in a module of its own: sampling and scoring, then advantages (learner/groups.py), the update
-(learner/actor.py), publishing (learner/weight_sync.py), the step's figures (learner/metrics.py); this module keeps
+lives in a module of its own: sampling and scoring, then advantages (learner/rollout/groups.py), the update
+(learner/update/actor.py), publishing (learner/weight_sync.py), the step's figures (learner/records/metrics.py); this
+module keeps
 the order of the phases, the run's lifecycle (checkpoints, validation, stopping) and the state they share.
 
 Distributed (torchrun): every rank runs this loop. Rank 0 alone talks to the samplers and the rewarder and
-broadcasts each step's scored sequences; every rank then trains on its share (learner/actor.py) and joins the
+broadcasts each step's scored sequences; every rank then trains on its share (learner/update/actor.py) and joins the
 weight gather, which only rank 0 publishes.
 
 Weight versions: 0 is the initial checkpoint the samplers start from; each training step publishes the next version
@@ -27,16 +28,11 @@ import torch
 from dgrpo.common import tracing
 from dgrpo.common.devices import detect_device
 from dgrpo.common.models import resolve_model_path
-from dgrpo.learner import checkpoint as ckpt
-from dgrpo.learner import run_end
-from dgrpo.learner.actor import Actor
-from dgrpo.learner.batch import Sequence
 from dgrpo.learner.config import LearnerRunConfig
-from dgrpo.learner.control import LoopState, start_control_server
-from dgrpo.learner.data import LoadStats, PromptRecord, PromptStream, load_prompts
-from dgrpo.learner.distributed import DistContext, broadcast_object, init_distributed
-from dgrpo.learner.groups import GroupCollector, ScoredGroup, to_sequences
-from dgrpo.learner.metrics import (
+from dgrpo.learner.records import checkpoint as ckpt
+from dgrpo.learner.records import run_end
+from dgrpo.learner.records.control import LoopState, start_control_server
+from dgrpo.learner.records.metrics import (
     MetricsLogger,
     StepTimer,
     memory_metrics,
@@ -44,10 +40,15 @@ from dgrpo.learner.metrics import (
     throughput_metrics,
     validation_metrics,
 )
-from dgrpo.learner.pipeline import RolloutPipeline, staleness_metrics
-from dgrpo.learner.reward_client import RewardClient
-from dgrpo.learner.rollout import RolloutClient, RolloutStats
-from dgrpo.learner.step_reports import StepReports
+from dgrpo.learner.records.step_reports import StepReports
+from dgrpo.learner.rollout.client import RolloutClient, RolloutStats
+from dgrpo.learner.rollout.data import LoadStats, PromptRecord, PromptStream, load_prompts
+from dgrpo.learner.rollout.groups import GroupCollector, ScoredGroup, to_sequences
+from dgrpo.learner.rollout.pipeline import RolloutPipeline, staleness_metrics
+from dgrpo.learner.rollout.reward_client import RewardClient
+from dgrpo.learner.update.actor import Actor
+from dgrpo.learner.update.batch import Sequence
+from dgrpo.learner.update.distributed import DistContext, broadcast_object, init_distributed
 from dgrpo.learner.weight_sync import WeightSync, let_replicas_finish_loading
 from dgrpo.v1 import rewarder_pb2
 
@@ -155,7 +156,7 @@ class Trainer:
     def _setup_outputs(self):
         """Rank 0: the rollout pipeline, the weight publisher (returned), the run's folder, metrics and reports."""
         lc = self.learner_cfg
-        if lc.rollout.max_staleness:  # asynchronous: batches sampled ahead of the update (learner/pipeline.py)
+        if lc.rollout.max_staleness:  # asynchronous: batches sampled ahead of the update (learner/rollout/pipeline.py)
             self.pipeline = RolloutPipeline(self.train_data, self._collect_ahead, lc.rollout.max_staleness)
         # Samplers subscribe to its announcements (signed with the stack's token, if one is set).
         from dgrpo.weights.publisher import WeightPublisher

@@ -19,10 +19,10 @@ from dgrpo.common import preflight as pf
 from dgrpo.common import tracing
 from dgrpo.common.config import ConfigError
 from dgrpo.common.logs import setup_logging
-from dgrpo.learner import run_end
 from dgrpo.learner.config import LearnerRunConfig
-from dgrpo.learner.data import check_files
-from dgrpo.learner.metrics import check_loggers
+from dgrpo.learner.records import run_end
+from dgrpo.learner.records.metrics import check_loggers
+from dgrpo.learner.rollout.data import check_files
 
 
 def output_needs(cfg: LearnerRunConfig) -> list[tuple[str, str, int, str]]:
@@ -84,10 +84,10 @@ def main(cfg: LearnerRunConfig) -> int:
     allocator = preloaded_allocator()
     if allocator:
         log.info("host allocator: %s (LD_PRELOAD)", allocator)
-    from dgrpo.learner.checkpoint import CheckpointError
     from dgrpo.learner.loop import Trainer
-    from dgrpo.learner.reward_client import RewardError
-    from dgrpo.learner.rollout import RolloutError
+    from dgrpo.learner.records.checkpoint import CheckpointError
+    from dgrpo.learner.rollout.client import RolloutError
+    from dgrpo.learner.rollout.reward_client import RewardError
 
     ended = _ended_run(cfg)
     if ended is not None:
@@ -109,7 +109,7 @@ def main(cfg: LearnerRunConfig) -> int:
                   trainer.step_num, e)
         return 1
     finally:
-        from dgrpo.learner.distributed import shutdown_distributed
+        from dgrpo.learner.update.distributed import shutdown_distributed
 
         shutdown_distributed()
         tracing.shutdown()  # the last step's spans are still queued

@@ -18,10 +18,10 @@ import torch
 
 from dgrpo.common import tracing
 from dgrpo.common.config import ConfigError
-from dgrpo.learner.actor import Actor
 from dgrpo.learner.config import LearnerRunConfig
-from dgrpo.learner.distributed import DistContext, broadcast_object
-from dgrpo.learner.rollout import RolloutClient
+from dgrpo.learner.rollout.client import RolloutClient
+from dgrpo.learner.update.actor import Actor
+from dgrpo.learner.update.distributed import DistContext, broadcast_object
 from dgrpo.weights.rounding import publish_cast
 
 log = logging.getLogger("dgrpo.learner")

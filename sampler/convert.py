@@ -1,5 +1,6 @@
 """Proto <-> domain conversions of the sampler, in one place: requests in, groups out. The other direction is the
-learner's (learner/rollout.py builds the requests, learner/groups.py reads the groups); the tests run the two ends
+learner's (learner/rollout/client.py builds the requests, learner/rollout/groups.py reads the groups); the tests run
+the two ends
 against each other."""
 
 from __future__ import annotations

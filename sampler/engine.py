@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from dgrpo.common.devices import sampler_prefill
 from dgrpo.common.model_config import ModelConfig
+from dgrpo.sampler.busy import BusyClock
 from dgrpo.sampler.config import SamplerConfig
 from dgrpo.sampler.multi_turn import ToolConversations, ToolsUnavailable
 from dgrpo.sampler.requests import (
@@ -97,8 +97,7 @@ class SamplerEngine:
         self._version_changed = asyncio.Condition()
         self._accepting = True
         self._active: set[asyncio.Task] = set()
-        self._busy_since: float | None = None
-        self._busy_total = 0.0
+        self._busy = BusyClock()
         self.requests = PromptTokenizer(self.tokenizer, self.vocab_size, self.max_model_len, cfg.prompt_char_limit)
         self.tools: ToolConversations | None = None
         self.seeds_safe = True
@@ -348,19 +347,13 @@ class SamplerEngine:
         self._note_busy()
 
     def _note_busy(self) -> None:
-        now = time.monotonic()
-        if self._active and self._busy_since is None:
-            self._busy_since = now
-        elif not self._active and self._busy_since is not None:
-            self._busy_total += now - self._busy_since
-            self._busy_since = None
+        self._busy.note(bool(self._active))
 
     @property
     def busy_seconds(self) -> float:
         """Seconds with at least one group in flight since the engine started: what asynchronous training keeps
         close to the wall time (benchmarks/bench_async.py reads it through Info)."""
-        running = time.monotonic() - self._busy_since if self._busy_since is not None else 0.0
-        return self._busy_total + running
+        return self._busy.seconds
 
     # --- lifecycle ---
 

@@ -32,7 +32,7 @@ from dgrpo.sampler.engine import SamplerEngine
 from dgrpo.sampler.weight_target import paused_generation
 from dgrpo.weights.config import WeightSyncConfig
 from dgrpo.weights.slot import WeightIntegrityError
-from dgrpo.weights.subscriber import SlotRef
+from dgrpo.weights.target import SlotRef
 
 LORA_NAME = "dgrpo-policy"
 """The adapter's name in vLLM (one adapter at a time: the policy's current version)."""
@@ -44,17 +44,12 @@ def write_adapter_folder(ref: SlotRef, folder: Path) -> None:
     """Copy the adapter version `ref` out of its slot into a PEFT adapter folder, verified and untorn."""
     from safetensors.torch import save_file
 
-    from dgrpo.weights.shm import open_readonly
-    from dgrpo.weights.slot import SlotReader
+    from dgrpo.weights.slot import open_slot
 
     if ref.streamed:
         raise WeightIntegrityError(f"version {ref.version}: adapter versions are never streamed (seq {ref.seq} odd)")
+    reader, mapped = open_slot(ref)
     try:
-        mapped = open_readonly(ref.path)
-    except FileNotFoundError:
-        raise WeightIntegrityError(f"slot {ref.path} no longer exists (learner gone?)") from None
-    try:
-        reader = SlotReader(mapped, ref.version, ref.seq, ref.manifest_xxh3, ref.stall_timeout_s)
         try:
             if ref.verify:
                 reader.verify()

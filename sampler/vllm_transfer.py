@@ -68,7 +68,7 @@ class SlotInitInfo(WeightTransferInitInfo):
 
 @dataclass
 class SlotUpdateInfo(WeightTransferUpdateInfo):
-    """One phase of loading one version from a slot (dgrpo.weights.subscriber.SlotRef plus the phase)."""
+    """One phase of loading one version from a slot (dgrpo.weights.target.SlotRef plus the phase)."""
 
     phase: Literal["stage", "apply"]
     path: str
@@ -125,7 +125,7 @@ class SlotTransferEngine(WeightTransferEngine[SlotInitInfo, SlotUpdateInfo]):
 
     def receive_weights(self, update_info: SlotUpdateInfo) -> None:
         from dgrpo.weights.slot import WeightIntegrityError
-        from dgrpo.weights.subscriber import TornLoad
+        from dgrpo.weights.target import TornLoad
 
         try:
             if update_info.phase == "stage":
@@ -148,14 +148,10 @@ class SlotTransferEngine(WeightTransferEngine[SlotInitInfo, SlotUpdateInfo]):
     # --- the two phases ---
 
     def _open(self, info: SlotUpdateInfo) -> None:
-        from dgrpo.weights.slot import SlotReader, WeightIntegrityError
+        from dgrpo.weights.slot import open_slot
 
         self._release()
-        try:
-            mapped = self._mapping(info.path)
-        except FileNotFoundError:
-            raise WeightIntegrityError(f"slot {info.path} no longer exists (learner gone?)") from None
-        self._staged = (SlotReader(mapped, info.version, info.seq, info.manifest_xxh3, info.stall_timeout_s), mapped)
+        self._staged = open_slot(info, self._mapping)
 
     def _mapping(self, path: str):
         """A read-only mapping of `path`, reused while the file is the same one at the same size."""
@@ -177,11 +173,8 @@ class SlotTransferEngine(WeightTransferEngine[SlotInitInfo, SlotUpdateInfo]):
 
     def _stage(self, info: SlotUpdateInfo) -> None:
         self._open(info)
-        reader = self._staged[0]
         try:
-            if info.verify:
-                reader.verify()
-            reader.check_intact()  # what was verified is still what the slot holds
+            self._staged[0].stage(info.verify)
         except BaseException:
             self._release()
             raise
@@ -190,7 +183,7 @@ class SlotTransferEngine(WeightTransferEngine[SlotInitInfo, SlotUpdateInfo]):
         """Load the staged version; a streamed one (odd seq: still being written) is opened here and each tensor is
         verified as it is read. Any failure from here on may leave the model mixed: it raises TornLoad."""
         from dgrpo.weights.slot import WeightIntegrityError
-        from dgrpo.weights.subscriber import TornLoad
+        from dgrpo.weights.target import TornLoad
 
         streamed = info.seq % 2 == 1
         if streamed:

@@ -24,7 +24,7 @@ from dgrpo.sampler.vllm_transfer import INTEGRITY_MARK, TORN_MARK
 from dgrpo.weights.config import WeightSyncConfig
 from dgrpo.weights.protocol import PROTOCOL
 from dgrpo.weights.slot import WeightIntegrityError
-from dgrpo.weights.subscriber import SlotRef, TornLoad, WeightChannelBroken
+from dgrpo.weights.target import SlotRef, TornLoad, WeightChannelBroken
 
 
 def transfer_engine_init_info(reload: str = "auto") -> dict:

@@ -10,7 +10,7 @@ from pathlib import Path
 import grpc
 from support import ServiceProcess, free_port
 
-from dgrpo.cli.up import stable_free_port
+from dgrpo.cli.launch.up import stable_free_port
 from dgrpo.v1 import sampler_pb2, sampler_pb2_grpc
 
 REWARD_FNS = Path(__file__).parent / "learner" / "reward_fns.py"

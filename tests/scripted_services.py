@@ -37,6 +37,7 @@ from pathlib import Path
 import grpc
 
 from dgrpo.common import grpc_server
+from dgrpo.sampler.busy import BusyClock
 from dgrpo.v1 import rewarder_pb2, rewarder_pb2_grpc, sampler_pb2, sampler_pb2_grpc
 
 
@@ -75,7 +76,7 @@ class Engine:
         self.steps, self.stalled = 0, False
         self.running: list[Request] = []
         self.wake = asyncio.Event()
-        self._busy_total, self._busy_since = 0.0, None
+        self._busy = BusyClock()  # the engine's own (sampler/busy.py)
 
     def add(self, requests: list[Request]) -> None:
         self.running.extend(requests)
@@ -121,16 +122,11 @@ class Engine:
         self._note_busy()
 
     def _note_busy(self) -> None:
-        now = time.monotonic()
-        if self.running and self._busy_since is None:
-            self._busy_since = now
-        elif not self.running and self._busy_since is not None:
-            self._busy_total += now - self._busy_since
-            self._busy_since = None
+        self._busy.note(bool(self.running))
 
     @property
     def busy_seconds(self) -> float:
-        return self._busy_total + (time.monotonic() - self._busy_since if self._busy_since is not None else 0.0)
+        return self._busy.seconds
 
 
 def completion(request: Request, sample: int, vocab_size: int, version: int) -> sampler_pb2.Completion:

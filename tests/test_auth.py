@@ -23,9 +23,9 @@ from dgrpo.common import auth
 from dgrpo.common.auth_config import TOKEN_ENV, AuthConfig, Credentials
 from dgrpo.common.config import ConfigError, load_config
 from dgrpo.learner.config import RolloutConfig
-from dgrpo.learner.control import LoopState, start_control_server
-from dgrpo.learner.reward_client import RewardClient, RewardError, score_group
-from dgrpo.learner.rollout import RolloutClient
+from dgrpo.learner.records.control import LoopState, start_control_server
+from dgrpo.learner.rollout.client import RolloutClient
+from dgrpo.learner.rollout.reward_client import RewardClient, RewardError, score_group
 from dgrpo.sampler import server as sampler_server
 from dgrpo.sampler.config import SamplerConfig
 from dgrpo.v1 import learner_pb2, learner_pb2_grpc, sampler_pb2, sampler_pb2_grpc

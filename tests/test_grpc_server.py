@@ -17,7 +17,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from support import wait_serving
 
 from dgrpo.common.grpc_server import BindError, GrpcServer, create_server
-from dgrpo.learner.control import SERVICE_NAME, LearnerServicer, LoopState
+from dgrpo.learner.records.control import SERVICE_NAME, LearnerServicer, LoopState
 from dgrpo.v1 import learner_pb2, learner_pb2_grpc
 
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
@@ -140,7 +140,7 @@ def test_interceptors_see_every_call():
 SIGTERM_SCRIPT = textwrap.dedent('''
     import asyncio, sys
     from dgrpo.common.grpc_server import create_server, serve_until_signal
-    from dgrpo.learner.control import SERVICE_NAME, LearnerServicer, LoopState
+    from dgrpo.learner.records.control import SERVICE_NAME, LearnerServicer, LoopState
     from dgrpo.v1 import learner_pb2_grpc
 
     async def main():

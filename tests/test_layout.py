@@ -42,14 +42,14 @@ def _imports(path: Path) -> set[str]:
 def test_services_never_import_each_other():
     for folder, package in SERVICES.items():
         others = [p for p in SERVICES.values() if p != package]
-        for path in (ROOT / folder).glob("*.py"):
+        for path in (ROOT / folder).rglob("*.py"):
             bad = [m for m in _imports(path) if any(m == o or m.startswith(o + ".") for o in others)]
             assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
 
 
 def test_common_depends_on_no_service():
     for folder in ("common", "weights", "tools"):
-        for path in (ROOT / folder).glob("*.py"):
+        for path in (ROOT / folder).rglob("*.py"):
             bad = [m for m in _imports(path) if any(m.startswith(p) for p in SERVICES.values())]
             assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
 
@@ -75,7 +75,7 @@ HEAVY = ("torch", "grpc", "vllm", "transformers", "numpy")
 SCHEMA_MODULES = {
     "dgrpo.common.config", "dgrpo.common.model_config", "dgrpo.common.auth_config", "dgrpo.common.tracing_config",
     "dgrpo.weights.config", "dgrpo.tools.config", "dgrpo.sampler.config", "dgrpo.rewarder.config",
-    "dgrpo.learner.config", "dgrpo.learner.actor_config", "dgrpo.cli.stack",
+    "dgrpo.learner.config", "dgrpo.learner.update.config", "dgrpo.cli.stack",
 }
 """The modules that define the config sections (StrictConfig subclasses), schemas only."""
 SCHEMA_HELPERS = {"dgrpo.common.devices"}
@@ -92,8 +92,12 @@ def _modules() -> dict[str, Path]:
     setup = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     out = {}
     for package, folder in setup["package-dir"].items():
-        for path in (ROOT / folder).glob("*.py"):
-            out[package if path.stem == "__init__" else f"{package}.{path.stem}"] = path
+        for path in (ROOT / folder).rglob("*.py"):
+            parts = path.relative_to(ROOT / folder).with_suffix("").parts
+            if "__pycache__" in parts or not all(part.isidentifier() for part in parts):
+                continue
+            parts = parts[:-1] if parts[-1] == "__init__" else parts
+            out[".".join((package, *parts))] = path
     return out
 
 
@@ -205,6 +209,29 @@ def test_no_import_cycle_between_folders():
                 folders.setdefault(_folder(m), set()).add(_folder(t))
                 why.setdefault((_folder(m), _folder(t)), f"{m} -> {t}")
     cycles = _cycles(folders)
+    assert cycles == [], [(c, [e for (a, b), e in sorted(why.items()) if a in c and b in c]) for c in cycles]
+
+
+def _room(module: str) -> str:
+    """The sub-package a module lives in (dgrpo.learner.rollout.groups -> dgrpo.learner.rollout); a module directly
+    in a top-level folder is its own room (dgrpo.learner.loop)."""
+    path = _modules()[module]
+    return module.rpartition(".")[0] if path.stem != "__init__" and path.parent.joinpath("__init__.py").is_file() \
+        and module.count(".") > 2 else module
+
+
+def test_no_import_cycle_between_sub_packages():
+    """Inside a folder the sub-packages depend one way too (docs/architecture.md): the learner's records read the
+    rollout and the update, the rollout reads the update, the update reads neither; the loop at the top reads all."""
+    rooms: dict[str, set[str]] = {}
+    why: dict[tuple[str, str], str] = {}
+    for m, targets in _edges().items():
+        for t in targets:
+            if _room(t) != _room(m) and _folder(t) == _folder(m):
+                rooms.setdefault(_room(m), set()).add(_room(t))
+                why.setdefault((_room(m), _room(t)), f"{m} -> {t}")
+    assert "dgrpo.learner.rollout" in rooms  # the walk sees the sub-packages
+    cycles = _cycles(rooms)
     assert cycles == [], [(c, [e for (a, b), e in sorted(why.items()) if a in c and b in c]) for c in cycles]
 
 

@@ -8,7 +8,7 @@ import logging
 import grpc
 
 from dgrpo.common.logs import printable
-from dgrpo.learner.control import LoopState, start_control_server
+from dgrpo.learner.records.control import LoopState, start_control_server
 from dgrpo.v1 import learner_pb2, learner_pb2_grpc
 
 
@@ -52,7 +52,7 @@ def test_stop_reason_over_a_real_channel_is_logged_as_one_bounded_line(caplog):
         finally:
             await server.stop(0)
 
-    with caplog.at_level(logging.INFO, logger="dgrpo.learner.control"):
+    with caplog.at_level(logging.INFO, logger="dgrpo.learner.records.control"):
         response = asyncio.run(scenario())
     assert response.stopping_after_step == 4 and state.stop_requested
     lines = [r.getMessage() for r in caplog.records if "stop requested" in r.getMessage()]

@@ -65,8 +65,8 @@ def _stack(folder: Path, *overrides: str) -> StackConfig:
 def test_learner_terms_match_the_real_actors_tensors(tmp_path, dtype, bf16_weights):
     """Weights and AdamW states exactly; activations + logits within 15% of what autograd really saves for one
     packed micro-batch at the config's longest lengths (the bytes benchmarks/bench_plan.py sees on the big model)."""
-    from dgrpo.learner.actor import Actor
-    from dgrpo.learner.batch import Sequence
+    from dgrpo.learner.update.actor import Actor
+    from dgrpo.learner.update.batch import Sequence
 
     folder = llama_folder(tmp_path)
     cfg = _stack(folder, f"learner.actor.dtype={dtype}", f"learner.actor.bf16_weights={bf16_weights}",
@@ -184,8 +184,8 @@ def test_lora_terms_match_the_real_peft_actor(tmp_path, dtype, targets):
     """learner.lora: the frozen base, the adapter, its gradients and AdamW moments equal the PEFT actor's tensors
     after an update; no reference copy with beta > 0; the shared-memory slots hold the adapter, not the model."""
     pytest.importorskip("peft")
-    from dgrpo.learner.actor import Actor
-    from dgrpo.learner.batch import Sequence
+    from dgrpo.learner.update.actor import Actor
+    from dgrpo.learner.update.batch import Sequence
 
     folder = llama_folder(tmp_path)
     cfg = _stack(folder, f"learner.actor.dtype={dtype}", "learner.data.train_batch_size=2",

@@ -18,13 +18,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dgrpo.cli.preflight import assign_ports, given_keys
+from dgrpo.cli.launch.preflight import assign_ports, given_keys
+from dgrpo.cli.launch.up import resolve_stack, stable_free_port
 from dgrpo.cli.stack import StackConfig
-from dgrpo.cli.up import resolve_stack, stable_free_port
 from dgrpo.common import preflight as pf
 from dgrpo.common.config import ConfigError, load_config
 from dgrpo.learner.main import preflight
-from dgrpo.learner.metrics import MetricsLogger
+from dgrpo.learner.records.metrics import MetricsLogger
 
 ROWS = [{"prompt": f"What is {a}+1?", "answer": str(a + 1)} for a in range(4)]
 
@@ -75,7 +75,7 @@ def test_missing_train_file_names_the_key(tmp_path):
 
 
 def test_missing_prompt_and_reward_columns_name_their_keys(tmp_path):
-    from dgrpo.cli.preflight import preflight_stack
+    from dgrpo.cli.launch.preflight import preflight_stack
 
     no_prompt = write_jsonl(tmp_path / "q.jsonl", [{"question": "q", "answer": "1"}])
     cfg = stack_cfg(tmp_path, f"learner.data.train_files=[{no_prompt}]")
@@ -93,7 +93,7 @@ def test_missing_prompt_and_reward_columns_name_their_keys(tmp_path):
 
 def test_default_loggers_need_nothing_beyond_the_default_install():
     """The shipped defaults and configs name only loggers the lean install (and every image) runs."""
-    from dgrpo.learner.metrics import LOGGER_PACKAGES
+    from dgrpo.learner.records.metrics import LOGGER_PACKAGES
 
     root = Path(__file__).parents[1]
     shipped = [StackConfig()] + [load_config(StackConfig, f, []) for f in sorted((root / "configs").glob("*.yaml"))]
@@ -106,8 +106,8 @@ ABSENT = "dgrpo_test_absent_module"
 
 
 def test_a_logger_that_is_not_installed_is_refused_naming_key_and_package(tmp_path, monkeypatch):
-    from dgrpo.learner import metrics
-    from dgrpo.learner.metrics import check_loggers, missing_logger_packages
+    from dgrpo.learner.records import metrics
+    from dgrpo.learner.records.metrics import check_loggers, missing_logger_packages
 
     assert importlib.util.find_spec(ABSENT) is None
     monkeypatch.setitem(metrics.LOGGER_PACKAGES, "wandb", (ABSENT, metrics.LOGGER_PACKAGES["wandb"][1]))
@@ -125,7 +125,7 @@ def test_learner_with_a_missing_logger_exits_2_with_one_line_and_no_traceback(ch
     argv = ["learner", f"learner.data.train_files=[{train}]", f"learner.checkpoint.dir={tmp_path / 'ckpt'}",
             f"learner.trainer.log_dir={tmp_path / 'runs'}", "learner.trainer.control_port=0",
             "learner.trainer.loggers=[console,wandb]"]
-    absent = (f"import sys; from dgrpo.learner import metrics; metrics.LOGGER_PACKAGES['wandb'] = ({ABSENT!r}, "
+    absent = (f"import sys; from dgrpo.learner.records import metrics; metrics.LOGGER_PACKAGES['wandb'] = ({ABSENT!r}, "
               "metrics.LOGGER_PACKAGES['wandb'][1]); from dgrpo.cli.main import main; sys.exit(main(sys.argv[1:]))")
     proc = subprocess.run([sys.executable, "-c", absent, *argv], check=False, capture_output=True, text=True,
                           timeout=120)
@@ -280,7 +280,7 @@ def test_up_refuses_what_it_cannot_honour(tmp_path):
     cfg = load_config(StackConfig, None, ["sampler.metrics_port=9100", "rewarder.port=7002"])
     ports = assign_ports(cfg, given_keys(["sampler.metrics_port=9100", "rewarder.port=7002"]), 2)
     assert ports.rewarder_port == 7002 and "rewarder.port=7002" not in ports.overrides
-    from dgrpo.cli.preflight import stack_bindings
+    from dgrpo.cli.launch.preflight import stack_bindings
 
     with pytest.raises(ConfigError, match="sampler.metrics_port=9100: each of the 2 replicas would bind it"):
         stack_bindings(cfg, ports)

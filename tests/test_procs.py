@@ -1,4 +1,5 @@
-"""Reaping a dead service's process tree and its shared memory (cli/procs.py), with real processes and /dev/shm."""
+"""Reaping a dead service's process tree and its shared memory (cli/launch/procs.py), with real processes and
+/dev/shm."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import time
 import uuid
 from pathlib import Path
 
-from dgrpo.cli import procs
+from dgrpo.cli.launch import procs
 
 # A leader that starts a child; the child creates and maps a /dev/shm segment (as vLLM's engine core does), then
 # both sleep. The leader prints the child's pid and the segment once everything is in place.

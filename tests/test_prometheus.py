@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dgrpo.common.config import ConfigError
 from dgrpo.common.prometheus import Forward, RateWindow, serve_metrics
-from dgrpo.learner.prometheus import LearnerMetrics
+from dgrpo.learner.records.prometheus import LearnerMetrics
 
 
 def scrape(port: int) -> dict[tuple[str, tuple], float]:

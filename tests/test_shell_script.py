@@ -1,4 +1,5 @@
-"""Reading a run script as bash would (cli/shell_script.py): the launch command's words, expanded without running
+"""Reading a run script as bash would (cli/importers/shell/script.py): the launch command's words, expanded without
+running
 anything, compared with what bash itself passes to the launch command.
 
 The reference is bash: each script is copied with a prelude that replaces the launch program (`python3`, and `ray`
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from dgrpo.cli.shell_script import ScriptError, Unresolved, read_script
+from dgrpo.cli.importers.shell.script import ScriptError, Unresolved, read_script
 
 SCRIPTS = Path(__file__).parent / "fixtures" / "verl_scripts"
 ENV = {"HOME": "/home/u", "PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PWD": "/work/run", "LANG": "C"}

@@ -1,4 +1,5 @@
-"""What `dgrpo up` shows on the terminal (cli/terminal.py): the lines worth showing, and the progress bar's reading of
+"""What `dgrpo up` shows on the terminal (cli/launch/terminal.py): the lines worth showing, and the progress bar's
+reading of
 the learner's metrics.jsonl as it grows, is cut mid-line, and is rewritten by a resumed run."""
 
 from __future__ import annotations
@@ -6,7 +7,7 @@ from __future__ import annotations
 import json
 import os
 
-from dgrpo.cli.terminal import Progress, worth_showing
+from dgrpo.cli.launch.terminal import Progress, worth_showing
 
 
 def test_the_terminal_shows_our_lines_errors_and_tracebacks_not_library_chatter():

@@ -21,13 +21,13 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from dgrpo.cli.launch.supervisor import Service, Stack
 from dgrpo.cli.stack import StackConfig
-from dgrpo.cli.up import Service, Stack
 from dgrpo.common import auth
 from dgrpo.common.auth_config import TOKEN_ENV, AuthConfig, Credentials, TlsMaterial
 from dgrpo.common.config import ConfigError, load_config
-from dgrpo.learner.control import LoopState, start_control_server
-from dgrpo.learner.reward_client import RewardClient, score_group
+from dgrpo.learner.records.control import LoopState, start_control_server
+from dgrpo.learner.rollout.reward_client import RewardClient, score_group
 from dgrpo.v1 import learner_pb2, learner_pb2_grpc, rewarder_pb2, rewarder_pb2_grpc
 
 TOKEN = "tls-test-token-0123456789abcdef"

@@ -36,7 +36,7 @@ import yaml
 from support import wait_serving
 from up_support import SWAPPED_SPEC, listener_pid, stop_up, up_command, wait_for
 
-from dgrpo.cli import procs
+from dgrpo.cli.launch import procs
 from dgrpo.common import devices
 from dgrpo.v1 import rewarder_pb2, rewarder_pb2_grpc
 

@@ -90,6 +90,7 @@ class WeightSyncConfig(StrictConfig):
 
     @model_validator(mode="after")
     def _backend_needs_collective(self) -> WeightSyncConfig:
+        # A cross-field check of the schema: configs import no implementation, so not the strategy's.
         if self.collective_backend != "auto" and self.transport != "collective":
             raise ValueError(f"weights.collective_backend={self.collective_backend} applies to "
                              f"weights.transport=collective only, and weights.transport is {self.transport!r}: "

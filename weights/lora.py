@@ -1,7 +1,7 @@
 """LoRA adapters: the adapter format both ends of the weight channel agree on (`learner.lora`, the settings, is
 LoraConfig in weights/config.py).
 
-The learner trains a LoRA adapter with PEFT (learner/lora.py) and, unless `merge_on_sync`, publishes only the
+The learner trains a LoRA adapter with PEFT (learner/update/lora.py) and, unless `merge_on_sync`, publishes only the
 adapter: its tensors under PEFT's saved names (`base_model.model.<module>.lora_A.weight`, what
 `peft.get_peft_model_state_dict` returns and `adapter_model.safetensors` holds) plus PEFT's `adapter_config.json`,
 carried in the slot's manifest. Each sampler replica then runs vLLM with LoRA enabled and loads every version in

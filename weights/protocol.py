@@ -27,7 +27,7 @@ TRANSPORTS = {"shm": pb.WEIGHT_TRANSPORT_SHM, "tcp": pb.WEIGHT_TRANSPORT_TCP,
               "collective": pb.WEIGHT_TRANSPORT_COLLECTIVE}
 TRANSPORT_NAMES = {v: k for k, v in TRANSPORTS.items()}
 SEGMENT = re.compile(r"^dgrpo-w-[A-Za-z0-9_.-]{1,64}-\d+-\d+-s[01]$")
-"""A learner slot's file name (weights/publisher.py segment_path): nothing else is ever opened from an announcement."""
+"""A learner slot's file name (weights/shm.py segment_path): nothing else is ever opened from an announcement."""
 MAX_CONTROL_REQUEST_BYTES = 4096
 """A control request is a few bytes; anything larger is refused before parsing."""
 
@@ -116,6 +116,8 @@ def decode_announcement(frames: list[bytes]) -> pb.WeightAnnouncement:
         raise ProtocolError(f"announcement of version {ann.version}: slot {ann.slot} does not exist")
     if ann.transport not in TRANSPORT_NAMES:
         raise ProtocolError(f"announcement of version {ann.version}: unknown transport {ann.transport}")
+    # Wire facts of the enum, not the strategies' traits: asking weights/transports/ from here would close a cycle
+    # (transports -> collective, relay -> slot -> protocol), and this check must run wherever frames are decoded.
     if ann.transport == pb.WEIGHT_TRANSPORT_SHM and not SEGMENT.match(ann.segment):
         raise ProtocolError(f"announcement of version {ann.version}: segment {ann.segment!r} is not a weight "
                             "slot's file name")

@@ -34,8 +34,9 @@ from dgrpo.common import tracing
 from dgrpo.weights import protocol
 from dgrpo.weights.config import WeightSyncConfig
 from dgrpo.weights.protocol import Announcement, ProtocolError
-from dgrpo.weights.shm import RUN_ID, MemorySegment, ShmSegment, owner_tag, reclaim_stale
+from dgrpo.weights.shm import RUN_ID, ShmSegment
 from dgrpo.weights.slot import SlotWriter, WrittenSlot, dtype_name
+from dgrpo.weights.transports import WeightTransport, transport_for
 
 log = logging.getLogger(__name__)
 
@@ -58,18 +59,11 @@ class PublishStats:
         return self.nbytes / max(self.write_s, 1e-9) / 1e9
 
 
-def segment_path(shm_dir: str, run_id: str, slot: int) -> Path:
-    return Path(shm_dir) / f"dgrpo-w-{run_id}-{owner_tag()}-s{slot}"
-
-
 class _Slots:
     """Two segments plus what each one holds; a lock per slot orders the writer and the tcp fetch server."""
 
-    def __init__(self, cfg: WeightSyncConfig, run_id: str):
-        if cfg.transport == "shm":
-            self.segments = [ShmSegment(segment_path(cfg.shm_dir, run_id, s)) for s in (0, 1)]
-        else:
-            self.segments = [MemorySegment(), MemorySegment()]
+    def __init__(self, transport: WeightTransport, run_id: str):
+        self.segments = transport.learner_segments(run_id)
         self.writers = [SlotWriter(seg.ensure) for seg in self.segments]
         self.locks = [threading.Lock(), threading.Lock()]
         self.announced: list[Announcement | None] = [None, None]
@@ -91,17 +85,9 @@ class WeightPublisher:
             raise ValueError(f"run_id={run_id!r}: use 1-64 characters from A-Z a-z 0-9 _ . - (it names shm segments)")
         self.cfg, self.run_id, self.dtype = cfg, run_id, dtype_name(dtype)
         self._signer = protocol.Signer(token)
-        if cfg.transport == "shm":
-            reclaim_stale(cfg.shm_dir)
-        self._slots = _Slots(cfg, run_id)
-        self._collective = None
-        if cfg.transport == "collective":
-            from dgrpo.common.devices import weight_collective_backend
-            from dgrpo.weights.collective import CollectiveSender
-
-            device = torch.device(device)
-            backend = weight_collective_backend(cfg.collective_backend, device.type)
-            self._collective = CollectiveSender(cfg, self._slots, backend, device)
+        self._transport = transport_for(cfg)
+        self._slots = _Slots(self._transport, run_id)
+        self._collective = self._transport.sender(self._slots, device)  # collective: the links to each host's relay
         self.incarnation = secrets.randbits(63) or 1
         """Tells this process's versions from an earlier learner's of the same run (subscriber.py follows a new one)."""
         self._latest: Announcement | None = None
@@ -152,7 +138,7 @@ class WeightPublisher:
         if layout is None and isinstance(named_tensors, (list, tuple, ItemsView)):
             named_tensors = list(named_tensors)
             layout = [(name, list(t.shape)) for name, t in named_tensors]
-        stream = self.cfg.stream and self.cfg.transport == "shm" and layout is not None and not adapter_config
+        stream = self.cfg.stream and self._transport.streams and layout is not None and not adapter_config
         with self._slots.locks[slot]:
             self._slots.announced[slot] = None
             writer = self._slots.writers[slot]
@@ -168,8 +154,7 @@ class WeightPublisher:
         t1 = time.perf_counter()
         if self._latest is None:
             log.info("weight slots: 2 x %.1f MB (%s, %d tensors as %s)", written.nbytes / 1e6,
-                     self.cfg.shm_dir if self.cfg.transport == "shm" else
-                     f"learner memory, served over {self.cfg.transport}",
+                     self._transport.slots_place(),
                      len(written.manifest.tensors), self.dtype)
         self._latest = announcement
         self._announce(announcement)
@@ -186,7 +171,7 @@ class WeightPublisher:
     def _announcement(self, version: int, slot: int, written: WrittenSlot, streaming: bool = False) -> Announcement:
         seg = self._slots.segments[slot]
         return protocol.announcement(
-            self.run_id, version, slot=slot, seq=written.seq, transport=protocol.TRANSPORTS[self.cfg.transport],
+            self.run_id, version, slot=slot, seq=written.seq, transport=self._transport.wire,
             segment=seg.path.name if isinstance(seg, ShmSegment) else "", nbytes=written.nbytes,
             manifest_xxh3=written.manifest_xxh3, manifest=written.manifest, streaming=streaming,
             incarnation=self.incarnation, traceparent=tracing.traceparent(),
@@ -257,7 +242,7 @@ class WeightPublisher:
         self._rep.send_multipart(self._signer.seal(frames), copy=True)
 
     def _send_slot(self, version: int, slot: int) -> None:
-        if self.cfg.transport != "tcp":
+        if not self._transport.fetches:
             raise ProtocolError("weight bytes are served only with weights.transport=tcp (this learner shares "
                                 "memory: samplers on other hosts need a learner with the tcp transport)")
         if slot not in (0, 1):

@@ -37,7 +37,7 @@ from dgrpo.weights.collective_backends import CollectiveRefused, local_device
 from dgrpo.weights.collective_group import CollectiveError, PairGroup, local_address_towards
 from dgrpo.weights.config import WeightSyncConfig
 from dgrpo.weights.protocol import Announcement, ProtocolError
-from dgrpo.weights.shm import ShmSegment, reclaim_stale
+from dgrpo.weights.shm import ShmSegment, reclaim_stale, segment_path
 from dgrpo.weights.slot import SEQ_OFFSET, SlotReader, WeightIntegrityError
 
 log = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ def read_index(path: Path) -> Announcement | None:
     except ProtocolError as e:
         log.error("the host's weight index %s is not a weight announcement: %s", path, e)
         return None
-    return ann if ann.transport == protocol.TRANSPORTS["shm"] else None
+    return ann if ann.transport == protocol.TRANSPORTS["shm"] else None  # the host's own slot, read in place
 
 
 class HostIndex:
@@ -233,7 +233,6 @@ class HostRelay:
         self._group.allreduce(torch.tensor([version], dtype=torch.int64))
 
     def _segment(self, run_id: str, slot: int) -> ShmSegment:
-        from dgrpo.weights.publisher import segment_path
 
         if run_id != self._run_id:
             self._close_segments()
@@ -271,7 +270,7 @@ class HostRelay:
             return 0
         local = Announcement()
         local.CopyFrom(ann)
-        local.transport, local.segment = protocol.TRANSPORTS["shm"], seg.path.name
+        local.transport, local.segment = protocol.TRANSPORTS["shm"], seg.path.name  # the host's slot, read in place
         local.seq, local.streaming = seq, False
         tmp = self.index_path.with_name(f"{self.index_path.name}.{os.getpid()}.tmp")
         tmp.write_bytes(local.SerializeToString())

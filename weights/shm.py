@@ -33,6 +33,11 @@ def pid_namespace() -> int:
         return 0
 
 
+def segment_path(shm_dir: str, run_id: str, slot: int) -> Path:
+    """A learner slot's file (the publisher's with the shm transport; a relay's on its host)."""
+    return Path(shm_dir) / f"dgrpo-w-{run_id}-{owner_tag()}-s{slot}"
+
+
 def owner_tag() -> str:
     """`<pid namespace>-<pid>`: the part of a segment name that identifies its creator."""
     return f"{pid_namespace()}-{os.getpid()}"

@@ -293,6 +293,13 @@ class SlotReader:
         for t in self.manifest.tensors:
             self._verify_one(t, t.xxh3)
 
+    def stage(self, verify: bool) -> None:
+        """Staging, before generation pauses: every checksum when `verify`, then that the slot still holds what was
+        verified."""
+        if verify:
+            self.verify()
+        self.check_intact()
+
     def tensors(self, verify: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, read-only tensor view), in slot order. Loaders copy from them; nobody may write to them.
         `verify`: check each tensor's checksum before handing it out (what a streamed load does). Waiting for the
@@ -359,6 +366,28 @@ class SlotReader:
                 raise WeightIntegrityError(f"version {self.version}: the write stalled at tensor {progress} of "
                                            f"{len(self.manifest.tensors)} for {self.stall_timeout_s:.0f}s")
             time.sleep(0.0002)
+
+
+def open_slot(ref, mapping=None) -> tuple[SlotReader, object]:
+    """(reader, mapping) of one announced version; `ref` carries path, version, seq, manifest_xxh3 and
+    stall_timeout_s (a SlotRef, or the SlotUpdateInfo that carries one into vLLM's workers). A file that is gone
+    raises WeightIntegrityError. `mapping(path)`: how to map the file (a cache of the caller's, kept on failure);
+    by default a fresh read-only mapping, closed again when the reader refuses the slot."""
+    from dgrpo.weights.shm import open_readonly
+
+    try:
+        mapped = (mapping or open_readonly)(ref.path)
+    except FileNotFoundError:
+        raise WeightIntegrityError(f"slot {ref.path} no longer exists (learner gone?)") from None
+    try:
+        return SlotReader(mapped, ref.version, ref.seq, ref.manifest_xxh3, ref.stall_timeout_s), mapped
+    except BaseException:
+        if mapping is None:
+            try:
+                mapped.close()
+            except BufferError:  # a view is still alive (e.g. in a traceback); the mapping goes when it does
+                pass
+        raise
 
 
 def _check_bounds(manifest: Manifest, data_end: int) -> None:

@@ -37,10 +37,8 @@ import logging
 import struct
 import time
 import weakref
-from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 import zmq
 import zmq.asyncio
@@ -52,6 +50,8 @@ from dgrpo.weights.lora import check_adapter
 from dgrpo.weights.protocol import Announcement, ProtocolError
 from dgrpo.weights.shm import ShmSegment, owner_tag, reclaim_stale
 from dgrpo.weights.slot import WeightIntegrityError
+from dgrpo.weights.target import SlotRef, WeightChannelBroken, WeightTarget
+from dgrpo.weights.transports import transport_for, transport_of_wire
 
 log = logging.getLogger(__name__)
 
@@ -59,56 +59,6 @@ HOST_POLL_S = 0.02
 """collective: how often a replica checks its host's index for a version the relay wrote (a stat call)."""
 MAX_TORN_RETRIES = 3
 """Loads in a row that failed after touching the model before the replica gives up and stops serving."""
-
-
-@dataclass(frozen=True)
-class SlotRef:
-    """Where a target reads one version: msgpack-able fields only (they cross into vLLM's workers). An odd `seq`
-    means streamed: the write is still going on, each tensor is read once it is complete."""
-
-    path: str
-    version: int
-    seq: int
-    manifest_xxh3: int
-    verify: bool
-    stall_timeout_s: float
-
-    @property
-    def streamed(self) -> bool:
-        return self.seq % 2 == 1
-
-
-class WeightTarget(Protocol):
-    """What a subscriber loads versions into. Implementations: the sampler's vLLM adapter
-    (dgrpo.sampler.weight_target) and the torch-module target of the channel's tests."""
-
-    @property
-    def weight_version(self) -> int: ...
-
-    async def stage(self, ref: SlotRef) -> None:
-        """Open and verify `ref` without touching the model (generation may run); raise WeightIntegrityError.
-        Never called for a streamed ref: its tensors are verified one by one as `apply` reads them."""
-
-    def paused(self) -> AbstractAsyncContextManager[float]:
-        """Generation paused inside the block; yields the seconds pausing took. A block that raises
-        WeightChannelBroken must leave generation paused (the model may hold a mix of versions)."""
-
-    async def apply(self, ref: SlotRef) -> None:
-        """Load the staged (or streamed) `ref` inside `paused()`. Raises WeightIntegrityError once the model may
-        hold a mix of versions: TornLoad when a write overlapped the load; for a streamed ref also a bad checksum,
-        an abandoned or a stalled write."""
-
-    def set_version(self, version: int) -> None:
-        """Record the version now served (inside `paused()`, after a successful apply)."""
-
-
-class TornLoad(WeightIntegrityError):
-    """A write overlapped a load: the model holds a mix of two versions and must not serve until reloaded."""
-
-
-
-class WeightChannelBroken(RuntimeError):
-    """The replica cannot reach an untorn version: it must not serve (its supervisor restarts it)."""
 
 
 @dataclass
@@ -169,12 +119,11 @@ class WeightSubscriber:
         self._lock = asyncio.Lock()
         self._task: asyncio.Task | None = None
         self._control = f"tcp://{cfg.host}:{cfg.control_port}"
+        self._transport = transport_for(cfg)
         self._host = None  # collective: this host's relay (elected or not) and its index
-        if cfg.transport == "collective":
-            from dgrpo.weights.relay import HostIndex, HostRelay
-
-            self._relay = HostRelay(cfg, token)
-            self._host = HostIndex(self._relay.index_path)
+        relay = self._transport.host_relay(token)
+        if relay is not None:
+            self._relay, self._host = relay
 
     # --- lifecycle ---
 
@@ -242,11 +191,12 @@ class WeightSubscriber:
         except ProtocolError as e:
             self._reject(f"ignoring an announcement: {e}")
             return
-        if ann.streaming and self.cfg.transport == "tcp":
+        if ann.streaming and self._transport.fetches:
             return  # its bytes can only be fetched once complete: the complete announcement follows
-        if (ann.transport == protocol.TRANSPORTS["collective"]) != (self._host is not None) and ann.version > 0:
+        sent_by = transport_of_wire(ann.transport)
+        if sent_by.relayed != self._transport.relayed and ann.version > 0:
             self._reject(f"weight version {ann.version} comes by weights.transport="
-                         f"{protocol.TRANSPORT_NAMES[ann.transport]}, this sampler's is {self.cfg.transport!r} (the "
+                         f"{sent_by.name}, this sampler's is {self.cfg.transport!r} (the "
                          "learner and its samplers need the same)")
             return
         if self._host is not None:
@@ -361,7 +311,7 @@ class WeightSubscriber:
             return None
         t0 = time.perf_counter()
         try:
-            if self.cfg.transport == "tcp" or ann.transport == protocol.TRANSPORTS["tcp"]:
+            if self._transport.fetches or transport_of_wire(ann.transport).fetches:
                 ref = await self._fetch(ann)
             else:
                 # The slot's name under our own shm_dir: a container may mount the learner's /dev/shm elsewhere.

@@ -149,7 +149,7 @@ def test_the_image_imports_every_optional_module_the_shipped_configs_use(docker_
 import importlib, pathlib
 from dgrpo.cli.stack import StackConfig
 from dgrpo.common.config import load_config
-from dgrpo.learner.metrics import LOGGER_PACKAGES, check_loggers
+from dgrpo.learner.records.metrics import LOGGER_PACKAGES, check_loggers
 configs = sorted(pathlib.Path('/opt/dgrpo/configs').glob('*.yaml'))
 assert configs, 'no configs mounted'
 for cfg in [StackConfig()] + [load_config(StackConfig, c, []) for c in configs]:

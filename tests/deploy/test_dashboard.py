@@ -15,7 +15,7 @@ DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "dgrpo.
 def exported_names() -> set[str]:
     """Every sample name our registries can produce (counters' _total, histograms' _bucket / _sum / _count ...)."""
     import dgrpo.rewarder.metrics  # noqa: F401 (its series register in the global registry on import)
-    from dgrpo.learner.prometheus import LearnerMetrics
+    from dgrpo.learner.records.prometheus import LearnerMetrics
     from dgrpo.sampler.metrics import SamplerMetrics
 
     learner, sampler = LearnerMetrics(), SamplerMetrics("r0")

@@ -248,7 +248,7 @@ def test_learner_is_a_statefulset_of_one_that_idles_when_its_run_ends(variant):
     assert spec["replicas"] == 1 and spec["serviceName"] == "learner"
     assert spec["template"]["spec"].get("restartPolicy", "Always") == "Always"
     c = spec["template"]["spec"]["containers"][0]
-    # A StatefulSet restarts every exit: the ended run must stay up instead (learner/run_end.py).
+    # A StatefulSet restarts every exit: the ended run must stay up instead (learner/records/run_end.py).
     assert overrides(c)["learner.trainer.on_end"] == "idle"
     for key in ("learner.checkpoint.dir", "learner.trainer.log_dir"):  # checkpoints and the run-end record
         assert overrides(c)[key].startswith("/opt/dgrpo/runs"), f"{key} must outlive the container"

@@ -51,7 +51,7 @@ def test_non_editable_install_ships_the_configs(child_processes, tmp_path):
                              timeout=600, cwd=tmp_path, check=False)
     assert install.returncode == 0, install.stdout[-3000:] + install.stderr[-3000:]
 
-    code = ("import dgrpo.cli.up as up; print(up.__file__); print(up.DEMO_CONFIG); "
+    code = ("import dgrpo.cli.launch.up as up; print(up.__file__); print(up.DEMO_CONFIG); "
             "print(' '.join(sorted(p.name for p in up.REPO_CONFIGS.glob('*.yaml'))))")
     probe = subprocess.run(
         [str(python), "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path, check=False)

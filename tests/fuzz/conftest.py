@@ -19,7 +19,7 @@ from support import free_port, wait_serving
 _CONTROL = """
 import asyncio, sys
 from dgrpo.common.auth_config import AuthConfig
-from dgrpo.learner.control import LoopState, start_control_server
+from dgrpo.learner.records.control import LoopState, start_control_server
 
 async def main():
     auth = AuthConfig()  # DGRPO_TOKEN, as the learner reads it

@@ -27,7 +27,7 @@ from hypothesis import event, example, given, settings
 from hypothesis import strategies as st
 from support import ServiceProcess, free_port
 
-from dgrpo.learner.reward_client import score_group
+from dgrpo.learner.rollout.reward_client import score_group
 from dgrpo.v1 import rewarder_pb2 as pb
 
 pytestmark = pytest.mark.slow

@@ -40,7 +40,7 @@ def _request(prompts, **sampling) -> pb.GenerateRequest:
     return pb.GenerateRequest(prompts=prompts, sampling=pb.SamplingParams(**sampling))
 
 
-# What the learner's rollout sends (learner/rollout.py: token ids or chat, n samples, seeded), kept short.
+# What the learner's rollout sends (learner/rollout/client.py: token ids or chat, n samples, seeded), kept short.
 VALID = [
     _request([pb.Prompt(id="p0", token_ids=pb.TokenIds(ids=[1, 504, 3458, 281]))], n=2, max_tokens=3, seed=7,
              stop_token_ids=[2]),

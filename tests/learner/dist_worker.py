@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 
-from dgrpo.learner.actor import Actor
-from dgrpo.learner.actor_config import ActorConfig, AlgorithmConfig, CheckpointConfig, OptimConfig
-from dgrpo.learner.batch import Sequence
+from dgrpo.learner.update.actor import Actor
+from dgrpo.learner.update.batch import Sequence
+from dgrpo.learner.update.config import ActorConfig, AlgorithmConfig, CheckpointConfig, OptimConfig
 
 GROUP = 4
 SCENARIOS = {
@@ -67,8 +67,8 @@ def make_actor(model_dir, scenario: str, ctx=None) -> Actor:
 
 
 def main(model_dir: str, out_dir: str) -> None:
-    from dgrpo.learner.checkpoint import export_hf, save_checkpoint
-    from dgrpo.learner.distributed import init_distributed, shutdown_distributed
+    from dgrpo.learner.records.checkpoint import export_hf, save_checkpoint
+    from dgrpo.learner.update.distributed import init_distributed, shutdown_distributed
 
     torch.set_num_threads(1)
     out = Path(out_dir)

@@ -22,7 +22,7 @@ import time
 import grpc
 
 from dgrpo.learner.config import RolloutConfig
-from dgrpo.learner.rollout import RolloutClient, RolloutStats, make_prompt
+from dgrpo.learner.rollout.client import RolloutClient, RolloutStats, make_prompt
 from dgrpo.v1 import sampler_pb2
 
 PROMPT = list(range(100, 120))

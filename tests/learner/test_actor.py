@@ -11,10 +11,16 @@ from safetensors import safe_open
 
 from dgrpo.cli.stack import StackConfig
 from dgrpo.common.config import load_config
-from dgrpo.learner.actor import Actor, lr_factor
-from dgrpo.learner.actor_config import ActorConfig, AlgorithmConfig, OptimConfig
-from dgrpo.learner.batch import Sequence, collate, collate_shared_prompts, split_by_tokens, split_groups_by_tokens
-from dgrpo.learner.compute_copy import ComputeCopy
+from dgrpo.learner.update.actor import Actor, lr_factor
+from dgrpo.learner.update.batch import (
+    Sequence,
+    collate,
+    collate_shared_prompts,
+    split_by_tokens,
+    split_groups_by_tokens,
+)
+from dgrpo.learner.update.compute_copy import ComputeCopy
+from dgrpo.learner.update.config import ActorConfig, AlgorithmConfig, OptimConfig
 from dgrpo.weights.config import LoraConfig
 from dgrpo.weights.gather import full_tensors
 
@@ -364,7 +370,7 @@ def test_sequences_without_gradient_are_left_out_and_the_update_is_the_same(tiny
         torch.testing.assert_close(none_skipped[k], none_computed[k], atol=0, rtol=0, msg=k)
 
 
-# ---- bf16_weights=published (learner/compute_copy.py): the learner computes with the bits it publishes ----
+# ---- bf16_weights=published (learner/update/compute_copy.py): the learner computes with the bits it publishes ----
 
 PUBLISHED = {"dtype": "bfloat16", "bf16_weights": "published", **SHARED}
 

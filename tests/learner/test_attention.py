@@ -1,12 +1,12 @@
-"""Block attention (learner/attention.py): a PROMPT_BLOCKS model is an sdpa model unless given blocks, and with
+"""Block attention (learner/update/attention.py): a PROMPT_BLOCKS model is an sdpa model unless given blocks, and with
 blocks it computes what the row's dense [N, N] mask would."""
 
 import pytest
 import torch
 
-from dgrpo.learner.actor import load_causal_lm
-from dgrpo.learner.attention import PROMPT_BLOCKS, block_forward_kwargs
-from dgrpo.learner.batch import Sequence, collate_shared_prompts
+from dgrpo.learner.update.actor import load_causal_lm
+from dgrpo.learner.update.attention import PROMPT_BLOCKS, block_forward_kwargs
+from dgrpo.learner.update.batch import Sequence, collate_shared_prompts
 
 
 @pytest.fixture(scope="module")

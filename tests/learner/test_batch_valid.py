@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from dgrpo.learner.grpo import group_advantages
+from dgrpo.learner.update.grpo import group_advantages
 
 
 def _expected(rewards: list[float | None], g: int, scale: str, eps: float = 1e-6) -> list[float]:

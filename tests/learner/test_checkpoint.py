@@ -7,10 +7,7 @@ import json
 import pytest
 import torch
 
-from dgrpo.learner.actor import Actor
-from dgrpo.learner.actor_config import ActorConfig, AlgorithmConfig, CheckpointConfig, OptimConfig
-from dgrpo.learner.batch import Sequence
-from dgrpo.learner.checkpoint import (
+from dgrpo.learner.records.checkpoint import (
     CheckpointError,
     export_hf,
     list_checkpoints,
@@ -18,6 +15,9 @@ from dgrpo.learner.checkpoint import (
     resume_path,
     save_checkpoint,
 )
+from dgrpo.learner.update.actor import Actor
+from dgrpo.learner.update.batch import Sequence
+from dgrpo.learner.update.config import ActorConfig, AlgorithmConfig, CheckpointConfig, OptimConfig
 
 
 def batch(seed: int) -> list[Sequence]:

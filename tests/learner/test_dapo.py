@@ -1,4 +1,5 @@
-"""DAPO's overlong shaping and dynamic sampling (learner/dapo.py) against verl's code re-implemented as verl writes
+"""DAPO's overlong shaping and dynamic sampling (learner/rollout/dapo.py) against verl's code re-implemented as verl
+writes
 it: DAPORewardManager.__call__ (verl/workers/reward_manager/dapo.py) and the filter of RayDAPOTrainer.fit
 (recipe/dapo/dapo_ray_trainer.py); and the replacement loop that keeps a step at train_batch_size informative groups.
 """
@@ -14,10 +15,10 @@ import numpy as np
 import pytest
 import torch
 
-from dgrpo.learner import dapo
-from dgrpo.learner.actor_config import FilterGroupsConfig, OverlongBufferConfig
-from dgrpo.learner.reward_client import GroupReward
-from dgrpo.learner.rollout import RolloutStats
+from dgrpo.learner.rollout import dapo
+from dgrpo.learner.rollout.client import RolloutStats
+from dgrpo.learner.rollout.reward_client import GroupReward
+from dgrpo.learner.update.config import FilterGroupsConfig, OverlongBufferConfig
 
 
 def verl_dapo_rewards(scores, response_lengths, max_resp_len, buffer_len, factor, enable=True, pad_to=None):

@@ -8,7 +8,7 @@ import pytest
 
 from dgrpo.common.config import ConfigError
 from dgrpo.learner.config import DataConfig
-from dgrpo.learner.data import PromptStream, check_files, load_prompts, tokenize_prompt
+from dgrpo.learner.rollout.data import PromptStream, check_files, load_prompts, tokenize_prompt
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +124,7 @@ def test_check_files_reads_only_the_first_row_for_columns(tmp_path):
 
 
 def _records(n):
-    from dgrpo.learner.data import PromptRecord
+    from dgrpo.learner.rollout.data import PromptRecord
 
     return [PromptRecord(row=i, token_ids=(i,), prompt=str(i)) for i in range(n)]
 

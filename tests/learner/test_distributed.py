@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dgrpo.learner.checkpoint import load_checkpoint
-from dgrpo.learner.distributed import balance_batch, contiguous_split
+from dgrpo.learner.records.checkpoint import load_checkpoint
+from dgrpo.learner.update.distributed import balance_batch, contiguous_split
 
 WORKER = Path(__file__).with_name("dist_worker.py")
 

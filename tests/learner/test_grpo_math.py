@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from dgrpo.learner import grpo
+from dgrpo.learner.update import grpo
 
 REWARDS = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0])  # two groups of 4
 

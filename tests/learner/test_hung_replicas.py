@@ -26,9 +26,9 @@ import grpc
 import pytest
 from support import ServiceProcess, free_port
 
-from dgrpo.cli.procs import group_pids
+from dgrpo.cli.launch.procs import group_pids
 from dgrpo.learner.config import RolloutConfig
-from dgrpo.learner.rollout import RolloutClient, RolloutStats, make_prompt
+from dgrpo.learner.rollout.client import RolloutClient, RolloutStats, make_prompt
 from dgrpo.v1 import sampler_pb2
 
 pytestmark = pytest.mark.slow

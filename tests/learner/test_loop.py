@@ -207,7 +207,7 @@ def test_on_end_idle_serves_status_after_stop_and_a_restart_trains_nothing(stack
 
 def test_rewarder_restart_does_not_lose_a_group(child_processes, tmp_path):
     """A group sent while the rewarder is down is scored once it is back (wait_for_ready + retry)."""
-    from dgrpo.learner.reward_client import RewardClient, score_group
+    from dgrpo.learner.rollout.reward_client import RewardClient, score_group
 
     port = free_port()
     first = start_rewarder(port).wait_ready(timeout=120)
@@ -235,7 +235,7 @@ def test_rewarder_restart_does_not_lose_a_group(child_processes, tmp_path):
 def test_replica_killed_mid_step_loses_and_duplicates_nothing(stack):
     """SIGKILL one replica while its stream is open: its unfinished prompts are resampled on the other one."""
     from dgrpo.learner.config import RolloutConfig
-    from dgrpo.learner.rollout import RolloutClient, RolloutStats, make_prompt
+    from dgrpo.learner.rollout.client import RolloutClient, RolloutStats, make_prompt
 
     victim, survivor = stack["samplers"]
     prompts = [make_prompt(f"p{i}", [1, 2, 3, 10 + i]) for i in range(8)]

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from dgrpo.common.config import ConfigError
-from dgrpo.learner.metrics import MetricsLogger, StepTimer, check_loggers, console_line, mlflow_key
+from dgrpo.learner.records.metrics import MetricsLogger, StepTimer, check_loggers, console_line, mlflow_key
 
 
 def test_timer_names_the_slowest_phase():

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from dgrpo.common.config import ConfigError
-from dgrpo.learner import checkpoint as ckpt
-from dgrpo.learner.actor import Actor
-from dgrpo.learner.actor_config import ActorConfig, AlgorithmConfig, CheckpointConfig, OptimConfig
-from dgrpo.learner.batch import Sequence
+from dgrpo.learner.records import checkpoint as ckpt
+from dgrpo.learner.update.actor import Actor
+from dgrpo.learner.update.batch import Sequence
+from dgrpo.learner.update.config import ActorConfig, AlgorithmConfig, CheckpointConfig, OptimConfig
 from dgrpo.weights.config import LoraConfig
 from dgrpo.weights.lora import check_adapter
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dgrpo.learner import grpo
-from dgrpo.learner.actor import Actor
-from dgrpo.learner.actor_config import ActorConfig, AlgorithmConfig, OptimConfig
-from dgrpo.learner.batch import Sequence, collate, collate_shared_prompts, micro_batches
+from dgrpo.learner.update import grpo
+from dgrpo.learner.update.actor import Actor
+from dgrpo.learner.update.batch import Sequence, collate, collate_shared_prompts, micro_batches
+from dgrpo.learner.update.config import ActorConfig, AlgorithmConfig, OptimConfig
 
 
 def trajectories(garbage: float = -7.0, seed: int = 0) -> list[Sequence]:

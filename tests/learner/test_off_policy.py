@@ -1,6 +1,7 @@
 """Off-policy correction (`learner.algorithm.off_policy`): the proximal/behaviour ratio r = exp(learner's logprob at
 the start of the step - sampler's logprob) weights (tis) or rejects (mask) tokens. Expected values are derived
-here in plain torch / Python from the definitions, then compared with dgrpo.learner.grpo and with the real Actor's
+here in plain torch / Python from the definitions, then compared with dgrpo.learner.update.grpo and with the real
+Actor's
 update on the tiny model."""
 
 from __future__ import annotations
@@ -15,11 +16,11 @@ import yaml
 
 from dgrpo.cli.stack import StackConfig
 from dgrpo.common.config import ConfigError, load_config, to_yaml
-from dgrpo.learner import grpo
-from dgrpo.learner.actor import Actor
-from dgrpo.learner.actor_config import ActorConfig, AlgorithmConfig, MaskedIS, OptimConfig, TruncatedIS
-from dgrpo.learner.batch import Sequence
-from dgrpo.learner.step_sums import StepSums
+from dgrpo.learner.update import grpo
+from dgrpo.learner.update.actor import Actor
+from dgrpo.learner.update.batch import Sequence
+from dgrpo.learner.update.config import ActorConfig, AlgorithmConfig, MaskedIS, OptimConfig, TruncatedIS
+from dgrpo.learner.update.step_sums import StepSums
 
 NEW_METRICS = {"actor/is_weight_mean", "actor/is_weight_max", "actor/off_policy_masked_frac"}
 
@@ -304,7 +305,7 @@ def test_default_reports_no_off_policy_metrics_and_mask_needs_sampler_logprobs(t
 
 
 def _rank_sums(rank: int, port: int, out: str) -> None:
-    from dgrpo.learner.distributed import init_distributed, shutdown_distributed
+    from dgrpo.learner.update.distributed import init_distributed, shutdown_distributed
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))

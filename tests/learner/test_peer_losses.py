@@ -2,7 +2,7 @@
 
 Each peer's formula is re-implemented here in plain torch, written the way the peer's source writes it (verl:
 verl/trainer/ppo/core_algos.py `compute_policy_loss_vanilla`, `agg_loss`, `kl_penalty`; TRL:
-trl/trainer/grpo_trainer.py `GRPOTrainer._compute_loss`), independently of dgrpo.learner.grpo, and compared with
+trl/trainer/grpo_trainer.py `GRPOTrainer._compute_loss`), independently of dgrpo.learner.update.grpo, and compared with
 ours on random inputs: values, gradients and the clip statistics. docs/peers.md is the table these tests back.
 """
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dgrpo.learner import grpo
-from dgrpo.learner.actor_config import TRL_LOSS_TYPES, AlgorithmConfig
+from dgrpo.learner.update import grpo
+from dgrpo.learner.update.config import TRL_LOSS_TYPES, AlgorithmConfig
 
 B, T = 6, 9
 
@@ -264,9 +264,9 @@ def test_config_rejects_unknown_loss_names_naming_both_vocabularies():
 def test_actor_applies_dual_clip_and_reports_its_fraction(tiny_model):
     """Sampler logprobs 2 nats below the policy's: every ratio is e^2 > c = 3. A > 0 tokens are clipped at 1.2
     (pg = -1.2), A < 0 tokens are bounded by the dual clip (pg = 3); token-mean over the mini-batch."""
-    from dgrpo.learner.actor import Actor
-    from dgrpo.learner.actor_config import ActorConfig, OptimConfig
-    from dgrpo.learner.batch import Sequence
+    from dgrpo.learner.update.actor import Actor
+    from dgrpo.learner.update.batch import Sequence
+    from dgrpo.learner.update.config import ActorConfig, OptimConfig
 
     g = torch.Generator().manual_seed(0)
     seqs = []

@@ -1,4 +1,5 @@
-"""The asynchronous rollout's bookkeeping (learner/pipeline.py) as plain functions: which batches start when, with
+"""The asynchronous rollout's bookkeeping (learner/rollout/pipeline.py) as plain functions: which batches start when,
+with
 which `min_weight_version`, what a checkpoint's data position is, and the staleness check. The sampling function
 here stands in for the samplers + rewarder (tests/learner/test_async.py runs the real ones); it answers with real
 Completion messages carrying the versions a sampler would report."""
@@ -8,9 +9,9 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from dgrpo.learner.data import PromptRecord, PromptStream
-from dgrpo.learner.pipeline import RolloutPipeline, first_version, staleness_metrics
-from dgrpo.learner.rollout import RolloutStats
+from dgrpo.learner.rollout.client import RolloutStats
+from dgrpo.learner.rollout.data import PromptRecord, PromptStream
+from dgrpo.learner.rollout.pipeline import RolloutPipeline, first_version, staleness_metrics
 from dgrpo.v1 import sampler_pb2
 
 

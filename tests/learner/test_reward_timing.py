@@ -1,4 +1,4 @@
-"""The reward client's retries and timeout (learner/reward_client.py) against a scripted rewarder
+"""The reward client's retries and timeout (learner/rollout/reward_client.py) against a scripted rewarder
 (tests/scripted_services.py: a real grpc.aio Rewarder server in its own process, exact-match scores, scripted faults).
 
 What the client promises: a call that fails with a transient code, or whose rewarder dies and comes back, is retried
@@ -16,7 +16,7 @@ import time
 import pytest
 from scripted_services import ScriptedService
 
-from dgrpo.learner.reward_client import RewardClient, RewardError, score_group
+from dgrpo.learner.rollout.reward_client import RewardClient, RewardError, score_group
 
 FAST = {"retry_backoff_s": 0.05, "max_backoff_s": 0.5, "keepalive_s": 0.5, "keepalive_timeout_s": 0.5}
 

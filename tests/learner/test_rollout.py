@@ -8,8 +8,8 @@ import pytest
 from support import free_port
 
 from dgrpo.learner.config import RolloutConfig
-from dgrpo.learner.reward_client import RewardClient, score_group
-from dgrpo.learner.rollout import RolloutClient, RolloutError, make_prompt, resolve_addresses
+from dgrpo.learner.rollout.client import RolloutClient, RolloutError, make_prompt, resolve_addresses
+from dgrpo.learner.rollout.reward_client import RewardClient, score_group
 from dgrpo.v1 import rewarder_pb2, sampler_pb2
 
 
@@ -81,7 +81,7 @@ def test_score_group_formats_and_failed_completions_are_masked():
 def test_the_hedge_delay_is_a_share_of_the_batch_so_far_with_a_floor():
     """A replica idle for 2 s hedges a 4 s-old batch, but waits 10 s in a 40 s-old one: equal replicas finish within a
     fraction of each other at every batch length."""
-    from dgrpo.learner.rollout_batch import Batch, RolloutStats
+    from dgrpo.learner.rollout.rollout_batch import Batch, RolloutStats
 
     client = RolloutClient(["127.0.0.1:1"], RolloutConfig(hedge_after_s=2.0, hedge_after_share=0.25))
     batch = Batch({}, asyncio.Queue(), asyncio.Queue(), RolloutStats(), sampler_pb2.SamplingParams(), 0)
@@ -94,7 +94,7 @@ def test_the_hedge_delay_is_a_share_of_the_batch_so_far_with_a_floor():
 
 
 def test_a_replica_stepping_slower_than_half_the_fastest_at_two_checks_in_a_row_is_a_straggler():
-    from dgrpo.learner.stragglers import StepRates
+    from dgrpo.learner.rollout.stragglers import StepRates
 
     rates = StepRates(0.5)
     assert rates.observe(0.0, {"a": 0, "b": 0}) == []  # no rate yet
@@ -116,7 +116,7 @@ def test_a_replica_stepping_slower_than_half_the_fastest_at_two_checks_in_a_row_
 
 
 def test_a_straggler_of_the_previous_batch_needs_one_slow_check_and_a_recovered_one_is_cleared():
-    from dgrpo.learner.stragglers import StepRates
+    from dgrpo.learner.rollout.stragglers import StepRates
 
     first = StepRates(0.5)
     first.observe(0.0, {"a": 0, "b": 0, "c": 0})
@@ -135,7 +135,7 @@ def test_a_straggler_of_the_previous_batch_needs_one_slow_check_and_a_recovered_
 def test_answers_that_come_after_their_check_are_read_at_the_time_they_came():
     """A busy replica's Info can come later than a check period: it counts as not stepping at that check, and its
     answer, read when it came, still gives its true rate, so the slow one is found against it."""
-    from dgrpo.learner.stragglers import StepRates
+    from dgrpo.learner.rollout.stragglers import StepRates
 
     rates = StepRates(0.5)
     assert rates.observe(0.0, {"a": None, "b": 0}) == []  # a's first answer is late: no rate to compare with yet
@@ -149,7 +149,7 @@ def test_answers_that_come_after_their_check_are_read_at_the_time_they_came():
 def test_a_replica_that_finished_its_prompts_between_two_checks_still_gives_its_rate():
     """A fast replica can finish its chunk before its first rate: its last window still shows what a healthy
     engine does, so the one still holding prompts without stepping is found."""
-    from dgrpo.learner.stragglers import StepRates
+    from dgrpo.learner.rollout.stragglers import StepRates
 
     rates = StepRates(0.5)
     assert rates.observe(0.0, {"a": 0, "b": 0}) == []
@@ -170,7 +170,7 @@ def test_a_replica_that_finished_its_chunk_unmeasured_still_shows_a_frozen_one_i
     """On a small model the fast replica can deliver its whole chunk before its Info answers twice: no rate to compare
     with (the CI failure of the straggler test). Its delivered groups prove a healthy engine steps, so a holder that
     does not step at all is a straggler; one stepping at any rate is not (its speed has no reference)."""
-    from dgrpo.learner.stragglers import StepRates
+    from dgrpo.learner.rollout.stragglers import StepRates
 
     rates = StepRates(0.5)
     assert rates.observe(0.0, {"a": None, "b": 3}) == []  # a busy: its only answer never comes while it holds prompts

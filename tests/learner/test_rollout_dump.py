@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
-from dgrpo.learner import completions_table
-from dgrpo.learner.data import PromptRecord
-from dgrpo.learner.reward_client import GroupReward
-from dgrpo.learner.rollout_dump import clip_text, completion_records, write_step_file
+from dgrpo.learner.records import completions_table
+from dgrpo.learner.records.rollout_dump import clip_text, completion_records, write_step_file
+from dgrpo.learner.rollout.data import PromptRecord
+from dgrpo.learner.rollout.reward_client import GroupReward
 from dgrpo.v1 import sampler_pb2 as pb
 
 

@@ -19,7 +19,7 @@ import pytest
 from scripted_services import ScriptedService, start_all
 
 from dgrpo.learner.config import RolloutConfig
-from dgrpo.learner.rollout import RolloutClient, RolloutStats, make_prompt, sampling_params
+from dgrpo.learner.rollout.client import RolloutClient, RolloutStats, make_prompt, sampling_params
 from dgrpo.v1 import sampler_pb2
 
 PROMPT = list(range(100, 116))

@@ -11,7 +11,7 @@ import grpc
 import pytest
 import yaml
 
-from dgrpo.learner.reward_client import score_group
+from dgrpo.learner.rollout.reward_client import score_group
 from dgrpo.rewarder.config import RewarderConfig
 from dgrpo.rewarder.server import create_server
 from dgrpo.rewarder.spec import SpecError, allowed_dirs, check_paths, parse_spec_text

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from dgrpo.learner.reward_client import score_group
+from dgrpo.learner.rollout.reward_client import score_group
 from dgrpo.rewarder.builtins import build_builtin
 from dgrpo.rewarder.config import RewardSpec, function_name
 from dgrpo.rewarder.convert import groups_from_proto
@@ -173,7 +173,8 @@ def test_content_hash_follows_the_file_contents(tmp_path):
 
 
 def test_proto_round_trip_keeps_extra_columns_and_chat():
-    """The learner's request builder (learner/reward_client.py, the one that ships) into the rewarder's reader."""
+    """The learner's request builder (learner/rollout/reward_client.py, the one that ships) into the rewarder's
+    reader."""
     groups = [
         GroupInput("a", "What is 1+2?", ["3", "4"], {"answer": 3, "tags": ["x", 2.5], "meta": {"level": 1}}),
         GroupInput("b", [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}], ["hello"]),

@@ -246,7 +246,7 @@ def test_module_functions_and_who_may_name_them(child_processes, tmp_path, monke
 
 async def _score_over_grpc(config: RewarderConfig, group, state=None):
     """One group scored by a real rewarder server through the learner's client."""
-    from dgrpo.learner.reward_client import RewardClient
+    from dgrpo.learner.rollout.reward_client import RewardClient
     from dgrpo.rewarder.server import create_server
 
     server, scorer = create_server(config)
@@ -263,7 +263,7 @@ async def _score_over_grpc(config: RewarderConfig, group, state=None):
 
 def test_over_grpc_with_the_learner_client(child_processes, tmp_path):
     """trainer_state, completion_ids, log_metric and NO_REWARD through the protos, learner client to real server."""
-    from dgrpo.learner.reward_client import score_group
+    from dgrpo.learner.rollout.reward_client import score_group
     from dgrpo.v1 import rewarder_pb2
 
     path = tmp_path / "trl_rewards.py"
@@ -287,7 +287,7 @@ def test_multi_turn_conversations_reach_the_functions(child_processes, tmp_path)
     """Multi-turn completions (the sampler's turns after the prompt, tool calls and results included) reach TRL-style
     functions as message lists over the protos; rules and verl's compute_score read the last assistant turn, also
     when the conversation was cut off after a tool result."""
-    from dgrpo.learner.reward_client import score_group
+    from dgrpo.learner.rollout.reward_client import score_group
     from dgrpo.v1 import sampler_pb2
 
     path = tmp_path / "tool_rewards.py"

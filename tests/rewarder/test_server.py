@@ -13,7 +13,7 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from dgrpo.learner.reward_client import score_group
+from dgrpo.learner.rollout.reward_client import score_group
 from dgrpo.v1 import rewarder_pb2 as pb
 from dgrpo.v1 import rewarder_pb2_grpc
 

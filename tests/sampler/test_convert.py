@@ -1,5 +1,6 @@
 """Sampler proto <-> domain conversions against the learner's end of the wire: the requests its builders send
-(learner/rollout.py) read back as the engine's dataclasses, including unset optional sampling fields, and the groups
+(learner/rollout/client.py) read back as the engine's dataclasses, including unset optional sampling fields, and the
+groups
 the servicer streams hold what the learner reads."""
 
 from __future__ import annotations
@@ -7,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from dgrpo.learner.config import RolloutConfig
-from dgrpo.learner.rollout import make_prompt, sampling_params
+from dgrpo.learner.rollout.client import make_prompt, sampling_params
 from dgrpo.sampler.convert import group_to_pb, prompt_from_pb, sampling_from_pb
 from dgrpo.sampler.requests import SamplingRequest
 from dgrpo.sampler.results import CompletionResult, GroupResult

@@ -45,8 +45,8 @@ def test_completion_holds_what_the_learner_reads(tools_file):
     assert TurnStats(s.turns, s.tool_calls, s.tool_errors, s.tool_timeouts, s.tool_seconds, s.ended_by) == c.turn_stats
     plain = completion_to_pb(CompletionResult([1], [-1.0], "x", "length", 0, 0))  # single-turn: nothing new sent
     assert not plain.HasField("turn_stats") and not plain.mask and not plain.messages
-    # The learner's request (learner/rollout.py, the builder that ships) reads back as the engine's limits.
-    from dgrpo.learner.rollout import multi_turn_request
+    # The learner's request (learner/rollout/client.py, the builder that ships) reads back as the engine's limits.
+    from dgrpo.learner.rollout.client import multi_turn_request
     from dgrpo.tools.config import MultiTurnConfig
     from dgrpo.tools.spec import load_tool_config
 

@@ -227,7 +227,7 @@ def test_bad_input_is_invalid_argument_and_server_keeps_serving(stub, prompts, s
 
 def test_rollout_client_fails_the_step_at_once_on_a_request_vllm_refuses(sampler):
     from dgrpo.learner.config import RolloutConfig
-    from dgrpo.learner.rollout import RolloutClient, RolloutError, make_prompt
+    from dgrpo.learner.rollout.client import RolloutClient, RolloutError, make_prompt
 
     cfg = RolloutConfig(retry_backoff_s=0.05, step_timeout_s=60)
 

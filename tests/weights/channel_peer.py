@@ -29,9 +29,9 @@ import torch
 import xxhash
 
 from dgrpo.weights.config import WeightSyncConfig
-from dgrpo.weights.shm import open_readonly
-from dgrpo.weights.slot import SlotReader, WeightIntegrityError
-from dgrpo.weights.subscriber import SlotRef, TornLoad, WeightChannelBroken, WeightSubscriber
+from dgrpo.weights.slot import SlotReader, WeightIntegrityError, open_slot
+from dgrpo.weights.subscriber import WeightSubscriber
+from dgrpo.weights.target import SlotRef, TornLoad, WeightChannelBroken
 
 
 def emit_json(event: str, **fields) -> None:
@@ -66,25 +66,13 @@ class ModuleTarget:
 
     def _open(self, ref: SlotRef) -> None:
         self._release()
-        try:
-            mapped = open_readonly(ref.path)
-        except FileNotFoundError:
-            raise WeightIntegrityError(f"slot {ref.path} no longer exists") from None
-        try:
-            reader = SlotReader(mapped, ref.version, ref.seq, ref.manifest_xxh3, ref.stall_timeout_s)
-        except BaseException:
-            mapped.close()
-            raise
-        self._staged = (reader, mapped)
+        self._staged = open_slot(ref)  # the sampler's own opening and staging (sampler/vllm_transfer.py)
 
     async def stage(self, ref: SlotRef) -> None:
         self.emit("staging", version=ref.version, path=ref.path)
         self._open(ref)
-        reader = self._staged[0]
         try:
-            if ref.verify:
-                reader.verify()
-            reader.check_intact()  # what was verified is still what the slot holds
+            self._staged[0].stage(ref.verify)
         except BaseException:
             self._release()
             raise

@@ -60,8 +60,8 @@ def sync_cfg_module():
 
 @pytest.fixture(scope="module")
 def actor(weights_model):
-    from dgrpo.learner.actor import Actor
-    from dgrpo.learner.actor_config import ActorConfig, AlgorithmConfig, OptimConfig
+    from dgrpo.learner.update.actor import Actor
+    from dgrpo.learner.update.config import ActorConfig, AlgorithmConfig, OptimConfig
 
     torch.manual_seed(0)
     return Actor(weights_model, ActorConfig(ppo_mini_batch_size=2, micro_batch_size_per_device=8, dtype="float32"),
@@ -79,8 +79,8 @@ async def sample(engine, seed: int, n: int = 4):
 
 def sequences(groups):
     """Learner sequences of sampled groups, rewarded for even token ids (any fixed reward moves the policy)."""
-    from dgrpo.learner import grpo
-    from dgrpo.learner.batch import Sequence
+    from dgrpo.learner.update import grpo
+    from dgrpo.learner.update.batch import Sequence
 
     comps = [(g, c) for g in groups for c in g.completions]
     rewards = torch.tensor([sum(t % 2 == 0 for t in c.token_ids) / max(len(c.token_ids), 1) for _, c in comps])
