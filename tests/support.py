@@ -5,12 +5,14 @@ Importable from any test module (`from support import ServiceProcess`), since py
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -81,3 +83,21 @@ class ServiceProcess:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
+
+
+class LoopThread:
+    """One asyncio loop in a thread, shared by a module's tests (vLLM's AsyncLLM is bound to the loop it runs on).
+    `timeout`: how long `run` waits for a coroutine unless told otherwise."""
+
+    def __init__(self, timeout: float = 120):
+        self.timeout = timeout
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout: float | None = None):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(self.timeout if timeout is None else timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)

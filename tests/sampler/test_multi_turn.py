@@ -8,14 +8,13 @@ the model's own."""
 
 from __future__ import annotations
 
-import asyncio
 import os
-import threading
 
 import grpc
 import pytest
 import torch
 import yaml
+from support import LoopThread
 
 from dgrpo.sampler.config import SamplerConfig
 from dgrpo.sampler.convert import completion_to_pb, multi_turn_from_pb
@@ -84,16 +83,6 @@ class SteeredEngine(SamplerEngine):
         return params
 
 
-class LoopThread:
-    def __init__(self):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro, timeout: float = 300):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-
 @pytest.fixture(scope="module")
 def tools_file(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tools")
@@ -117,7 +106,7 @@ def rig(child_processes, bundled_model, tools_file):
     from dgrpo.sampler.metrics import SamplerMetrics
     from dgrpo.sampler.server import create_server
 
-    lt = LoopThread()
+    lt = LoopThread(timeout=300)
     cfg = SamplerConfig(port=0, max_model_len=MAX_MODEL_LEN, enforce_eager=True, max_num_seqs=16)
     mt = MultiTurnConfig(enable=True, tool_config_path=str(tools_file), tool_timeout_s=1.0, max_tool_response_length=64)
 
@@ -140,7 +129,7 @@ def rig(child_processes, bundled_model, tools_file):
         engine.shutdown()
 
     lt.run(stop(), timeout=60)
-    lt.loop.call_soon_threadsafe(lt.loop.stop)
+    lt.close()
 
 
 def sample(rig, prompts, sampling: SamplingRequest, req: MultiTurnRequest, regex: dict[int, str]):

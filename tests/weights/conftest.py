@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
-import threading
 from pathlib import Path
 
 import pytest
-from support import free_port
+from support import LoopThread, free_port
 
 from dgrpo.weights.config import WeightSyncConfig
 
@@ -33,22 +31,6 @@ def sync_cfg(tmp_path):
         return WeightSyncConfig(host="127.0.0.1", bind_host="127.0.0.1", **{**ports, **overrides})
 
     return make
-
-
-class LoopThread:
-    """One asyncio loop in a thread, shared by a module's tests (vLLM's AsyncLLM is bound to the loop it runs on)."""
-
-    def __init__(self):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro, timeout: float = 120):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
 
 
 def _start_engine(aio: LoopThread, model: Path, *, max_num_seqs: int, lora=None):
