@@ -197,7 +197,7 @@ CASES = {
 
 
 def plan_of(model: str, overrides: list[str]) -> dict:
-    from dgrpo.common.plan import plan_stack
+    from dgrpo.cli.doctor.memory import plan_stack
 
     p = plan_stack(_stack([f"model.path={model}", *overrides]), device="cpu", device_bytes=None)
     return {"learner": {t.name: t.bytes for t in p.learner.terms}, "sampler": {t.name: t.bytes for t in

@@ -3,7 +3,7 @@
 Memory per device of each service from the model's config.json (no weights loaded) and the config's knobs: the
 learner's weights, gradients, AdamW states, reference, activations per micro-batch and logits; the sampler's
 weights, KV cache per token and how many tokens and sequences fit; the weight slots in /dev/shm. Says what does not
-fit and the knob to turn first (common/plan.py has the formulas and their sources). Exit 1 when something does not
+fit and the knob to turn first (cli/doctor/memory.py has the formulas and their sources). Exit 1 when something does not
 fit.
 """
 
@@ -49,8 +49,8 @@ def main(argv: list[str]) -> int:
     if args.learner_ranks < 1:
         parser.error("--learner-ranks must be >= 1")
     from dgrpo.cli.doctor.devices import device_info, resolve_device
+    from dgrpo.cli.doctor.memory import plan_stack
     from dgrpo.cli.stack import StackConfig
-    from dgrpo.common.plan import plan_stack
 
     try:
         cfg = load_config(StackConfig, args.config, args.overrides)

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from dgrpo.cli.doctor import memory as plan
 from dgrpo.cli.stack import StackConfig
-from dgrpo.common import plan
 from dgrpo.common.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -8,9 +8,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from dgrpo.cli.doctor import memory as plan
 from dgrpo.cli.doctor.devices import DeviceInfo
 from dgrpo.cli.doctor.findings import Finding
-from dgrpo.common import plan
 from dgrpo.common import preflight as pf
 from dgrpo.common.auth_config import Credentials
 from dgrpo.common.config import ConfigError

@@ -421,8 +421,8 @@ def test_metrics_component_opens_each_metrics_port_to_prometheus_alone(variant, 
 
 def _slot_bytes(variant: str, container: dict, tmp_path: Path) -> int:
     """The weight slots a sampler pod holds in /dev/shm, as `dgrpo plan` counts them for its command line."""
+    from dgrpo.cli.doctor import memory as plan
     from dgrpo.cli.stack import StackConfig
-    from dgrpo.common import plan
     from dgrpo.common.config import load_config
 
     (tmp_path / "stack.yaml").write_text(config_data(variant))

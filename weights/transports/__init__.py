@@ -1,12 +1,9 @@
 """The weight transports, one strategy a file, and the factory that picks one from `weights.transport`.
 
-Nothing outside this package asks which transport is in use: the publisher, the subscriber, `dgrpo doctor`, the
-stack's checks and `dgrpo up` ask the strategy (`transport_for(cfg.weights)`) what to do. Four places name one
-below this package, each saying why: the wire check of an announcement (weights/protocol.py), a schema's
-cross-field check (weights/config.py), the memory plan's slot count (common/plan.py), and the host relay's own
-slot, always an shm announcement (weights/relay.py). A new transport is a new
-file here (a `WeightTransport` subclass), its entry in `TRANSPORTS`, its value in `weights.transport`'s Literal
-(weights/config.py) and its wire value in weights.proto's `WeightTransport` enum.
+Nothing outside this package asks which transport is in use: the publisher, the subscriber, `dgrpo doctor` and
+`dgrpo plan`, the stack's checks and `dgrpo up` ask the strategy (`transport_for(cfg.weights)`) what to do. A new
+transport is a new file here (a `WeightTransport` subclass), its entry in `TRANSPORTS`, its value in
+`weights.transport`'s Literal (weights/config.py) and its wire value in weights.proto's `WeightTransport` enum.
 """
 
 from __future__ import annotations

@@ -48,6 +48,11 @@ class WeightTransport:
     def sender(self, slots, device):
         """What pushes each published version to the samplers beyond the announcement (None: they pull)."""
 
+    def shm_copies(self) -> tuple[str, int, str]:
+        """(what, how many copies of the weights, where) this transport keeps in shared memory, for `dgrpo plan`
+        (docs/weight_sync.md, weight slots); none by default."""
+        return "", 0, ""
+
     # --- a sampler's side ---
 
     def host_relay(self, token: bytes | None):

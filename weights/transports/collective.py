@@ -25,6 +25,9 @@ class CollectiveTransport(WeightTransport):
         backend = weight_collective_backend(self.cfg.collective_backend, device.type)
         return CollectiveSender(self.cfg, slots, backend, device)
 
+    def shm_copies(self) -> tuple[str, int, str]:
+        return "2 slots", 2, f"in {self.cfg.shm_dir} of each sampler host (its relay's)"
+
     def host_relay(self, token: bytes | None):
         from dgrpo.weights.relay import HostIndex, HostRelay
 

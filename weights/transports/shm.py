@@ -19,5 +19,8 @@ class ShmTransport(WeightTransport):
         reclaim_stale(self.cfg.shm_dir)
         return [ShmSegment(segment_path(self.cfg.shm_dir, run_id, s)) for s in (0, 1)]
 
+    def shm_copies(self) -> tuple[str, int, str]:
+        return "2 slots", 2, f"in {self.cfg.shm_dir}"
+
     def slots_place(self) -> str:
         return self.cfg.shm_dir

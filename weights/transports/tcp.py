@@ -12,3 +12,6 @@ class TcpTransport(WeightTransport):
     name = "tcp"
     wire = pb.WEIGHT_TRANSPORT_TCP
     fetches = True
+
+    def shm_copies(self) -> tuple[str, int, str]:
+        return "1 staging copy", 1, f"in {self.cfg.shm_dir} of each replica"

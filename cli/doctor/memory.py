@@ -19,6 +19,7 @@ from typing import Any
 from dgrpo.common import preflight as pf
 from dgrpo.common.config import ConfigError
 from dgrpo.common.models import model_dir
+from dgrpo.weights.transports import transport_for
 
 GiB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -398,12 +399,9 @@ def _weight_slots(m: ModelShape, cfg: Any, device: str) -> Term | None:
     if not cfg.weights.enabled:
         return None
     size, dtype = DTYPE_BYTES[cfg.model.dtype], cfg.model.dtype
-    # Per transport, but here: common/ imports nothing of weights/ (weights/ builds on common/), and this is one
-    # input of the memory formulas, kept next to them (docs/weight_sync.md, weight slots).
-    where = {"shm": ("2 slots", 2, f"in {cfg.weights.shm_dir}"),
-             "collective": ("2 slots", 2, f"in {cfg.weights.shm_dir} of each sampler host (its relay's)"),
-             "tcp": ("1 staging copy", 1, f"in {cfg.weights.shm_dir} of each replica")}
-    what, slots, place = where[cfg.weights.transport]
+    what, slots, place = transport_for(cfg.weights).shm_copies()
+    if not slots:
+        return None
     lora = cfg.learner.lora.on_device(device)
     if lora.serves_adapters:  # a version is the adapter alone
         A = lora_params(m, lora.rank, lora.target_modules)
