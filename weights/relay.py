@@ -14,6 +14,14 @@ replaces the host's index file (`dgrpo-relay-...ann`, a serialized `WeightAnnoun
 local segment). Replicas watch the index (weights/subscriber.py) and load what it names through the unchanged shm
 path: stage (verify in place), pause, apply, overlap check. A version that arrives torn, short or with a bad checksum
 never reaches the index; the learner hears "not verified" in the acknowledgement.
+
+What a relay leaves: nothing. `stop()` wakes the thread wherever it waits (the join's wait for the learner's reply is
+polled in slices, a group call is aborted) and the thread retires: its slots, the index naming them and the lock file
+removed. A thread still inside a call that cannot be woken (forming a group with a learner that vanished) after
+`STOP_GRACE_S` is left to die with the process and `stop()` retires the relay itself. A SIGKILLed relay cannot clean
+up: its slots are reclaimed by pid (weights/shm.py) and its index and lock by the lock itself, which the kernel
+dropped: a replica that finds a host's lock free (at its start, or elected) knows the index beside it names slots
+nobody writes, removes both and says so (`reclaimed the host's weight index ... left by a relay that is gone`).
 """
 
 from __future__ import annotations
@@ -48,6 +56,11 @@ REJOIN_PAUSE_S = 1.0
 MAX_REJOIN_PAUSE_S = 8.0
 """Pause before rejoining the learner after the group failed, doubling per failure in a row up to the maximum (a
 learner that refuses, e.g. another weights.transport, is asked again every 8 s, not flooded)."""
+JOIN_POLL_S = 0.1
+"""The join waits for the learner's reply in slices this long, so that `stop()` interrupts it."""
+STOP_GRACE_S = 2.0
+"""How long `stop()` waits for the relay's thread to end before it retires the relay itself (a thread inside a call
+that cannot be woken dies with the process; the relay's files do not outlive it)."""
 
 
 def host_files(cfg: WeightSyncConfig) -> tuple[Path, Path]:
@@ -55,6 +68,73 @@ def host_files(cfg: WeightSyncConfig) -> tuple[Path, Path]:
     learner = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{cfg.host}-{cfg.control_port}")[:80]
     base = Path(cfg.shm_dir) / f"dgrpo-relay-{learner}"
     return base.with_name(base.name + ".lock"), base.with_name(base.name + ".ann")
+
+
+_RELAY_FILE = re.compile(r"^(dgrpo-relay-.+)\.(?:lock|ann|ann\.\d+\.tmp)$")
+
+
+def reclaim_stale_relays(shm_dir: str | Path, held: Path | None = None) -> list[str]:
+    """Remove what relays that are gone left in `shm_dir`: for every learner whose host lock no process holds, the
+    index (it names slots nobody writes: a SIGKILLed relay's, which reclaim_stale removes), its temporary files and
+    the lock file. A relay holds its lock as long as it lives and the kernel drops it however it dies, so a lock this
+    call can take is one nobody relays under. `held`: the lock this replica holds (it was just elected): whatever index
+    is beside it is a previous relay's. Returns the indexes removed; each is logged once."""
+    folder = Path(shm_dir)
+    if not folder.is_dir():
+        return []
+    bases = {m.group(1) for p in folder.glob("dgrpo-relay-*") if (m := _RELAY_FILE.match(p.name))}
+    removed = []
+    for base in sorted(bases):
+        lock, index = folder / f"{base}.lock", folder / f"{base}.ann"
+        try:
+            if held is not None and lock == held:
+                if _remove_index(index, lock):
+                    removed.append(index.name)
+                continue
+            fd = _take(lock)
+            if fd is None:
+                continue  # a live relay's (or not ours to open)
+            try:
+                if _remove_index(index, lock):
+                    removed.append(index.name)
+                lock.unlink(missing_ok=True)  # before the unlock: a replica that opened it finds it gone and retries
+            finally:
+                os.close(fd)
+        except OSError as e:  # another user's files in a shared folder
+            log.warning("weights: cannot reclaim the relay files %s.*: %s", folder / base, e)
+    return removed
+
+
+def _take(lock: Path) -> int | None:
+    """A descriptor holding `lock` (the file at that path, created if missing), or None if a process holds it."""
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as e:  # another user's, a read-only folder: not ours to judge
+        log.debug("weights: cannot open %s: %s", lock, e)
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if os.fstat(fd).st_ino == os.stat(lock).st_ino:
+            return fd
+    except (BlockingIOError, FileNotFoundError):
+        pass
+    os.close(fd)
+    return None
+
+
+def _remove_index(index: Path, lock: Path) -> bool:
+    """Remove a gone relay's index (and temporaries) while holding its lock; True, logged, if there was one."""
+    for tmp in index.parent.glob(f"{index.name}.*.tmp"):
+        tmp.unlink(missing_ok=True)
+    ann = read_index(index) if index.exists() else None
+    try:
+        index.unlink()
+    except FileNotFoundError:
+        return False
+    what = f"version {ann.version} in {ann.segment}" if ann is not None else "no readable version"
+    log.warning("weights: reclaimed the host's weight index %s (%s) left by a relay that is gone (nobody held %s)",
+                index, what, lock.name)
+    return True
 
 
 def read_index(path: Path) -> Announcement | None:
@@ -112,6 +192,9 @@ class HostRelay:
         self.received: list[int] = []
         """Versions this replica received and wrote as the relay (for logs and tests)."""
         self._stop = threading.Event()
+        self._fd: int | None = None
+        """The host lock's descriptor while this replica relays."""
+        self._retiring = threading.Lock()
         self._group: PairGroup | None = None
         self._segments: dict[int, ShmSegment] = {}
         self._seq = [0, 0]
@@ -119,54 +202,78 @@ class HostRelay:
         self._thread = threading.Thread(target=self._run, name="dgrpo-relay", daemon=True)
 
     def start(self) -> None:
+        """Start the election thread; first remove what a relay that is gone left (before this replica reads the
+        host's index)."""
+        reclaim_stale_relays(self.cfg.shm_dir)
         self._thread.start()
 
     def stop(self) -> None:
+        """End relaying and remove this relay's files, within STOP_GRACE_S however the learner behaves."""
         self._stop.set()
-        if self._group is not None:
-            self._group.abort()
-        self._thread.join(timeout=10)
+        group = self._group
+        if group is not None:
+            group.abort()
+        if self._thread.ident is not None:  # started
+            self._thread.join(timeout=STOP_GRACE_S)
+        if self._thread.is_alive():
+            log.warning("weights: the host relay is still inside a call to the learner at %s after %.0fs; retiring it "
+                        "from here (the call ends with the process)", self.cfg.host, STOP_GRACE_S)
+            self._release()
 
     # --- election ---
 
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
-                fd = self._elect()
-                if fd is None:
+                if not self._elect():
                     self._stop.wait(ELECTION_POLL_S)
                     continue
                 try:
-                    self.is_relay = True
                     reclaim_stale(self.cfg.shm_dir)  # a dead relay's slots
+                    reclaim_stale_relays(self.cfg.shm_dir, held=self.lock_path)  # and the index naming them
                     log.info("weights: this replica is the host's relay (lock %s)", self.lock_path)
                     self._relay()
                 finally:
-                    self.is_relay = False
-                    self._retire()
-                    self.lock_path.unlink(missing_ok=True)  # before the unlock: a waiter then finds it gone
-                    os.close(fd)
+                    self._release()
         except Exception:
             log.exception("weights: the host relay failed; another replica takes over")
 
-    def _elect(self) -> int | None:
-        """The locked lock file's descriptor if this replica now holds the host's lock, else None. The file is
-        opened afresh each try and must still be the one at the path once locked: a retiring relay removes it."""
-        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            if os.fstat(fd).st_ino == os.stat(self.lock_path).st_ino:
-                return fd
-        except (BlockingIOError, FileNotFoundError):
-            pass
-        os.close(fd)
-        return None
+    def _elect(self) -> bool:
+        """True if this replica now holds the host's lock (and is the relay). The file is opened afresh each try
+        and must still be the one at the path once locked: a retiring relay removes it."""
+        fd = _take(self.lock_path)
+        if fd is None:
+            return False
+        with self._retiring:
+            if self._stop.is_set():  # stopping: stop() may have retired already; hand the lock straight back
+                self.lock_path.unlink(missing_ok=True)
+                os.close(fd)
+                return False
+            self._fd = fd
+            self.is_relay = True
+        return True
+
+    def _release(self) -> None:
+        """Stop relaying (if relaying): remove this relay's slots, the index when it names them, and the lock file,
+        then drop the lock. Run by the thread as it ends, or by stop() when the thread cannot end."""
+        with self._retiring:
+            fd, self._fd = self._fd, None
+            if fd is None:
+                return
+            self.is_relay = False
+            try:
+                self._retire()
+            finally:
+                self.lock_path.unlink(missing_ok=True)  # before the unlock: a waiter then finds it gone
+                os.close(fd)
 
     def _relay(self) -> None:
         failures = 0
         while not self._stop.is_set():
             try:
                 self._group = self._join()
+                if self._group is None:
+                    return  # stopped while waiting for the learner
                 failures = 0  # joined: a later failure is a new outage
                 self._receive()
             except CollectiveRefused as e:
@@ -185,8 +292,9 @@ class HostRelay:
             failures += 1
             self._stop.wait(min(REJOIN_PAUSE_S * 2 ** (failures - 1), MAX_REJOIN_PAUSE_S))
 
-    def _join(self) -> PairGroup:
-        """Ask the learner for this host's group (control socket, signed like every request), then join it."""
+    def _join(self) -> PairGroup | None:
+        """Ask the learner for this host's group (control socket, signed like every request), then join it. None
+        when stop() came first."""
         address = local_address_towards(self.cfg.host, self.cfg.control_port)
         name = f"{socket.gethostname()} ({address})"
         ctx = zmq.Context.instance()
@@ -195,8 +303,12 @@ class HostRelay:
         try:
             sock.connect(f"tcp://{self.cfg.host}:{self.cfg.control_port}")
             sock.send_multipart(self._signer.seal([protocol.join_request(host_key(self.cfg), name, address)]))
-            if not sock.poll(int(self.cfg.collective_timeout_s * 1000)):
-                raise ProtocolError(f"no answer in {self.cfg.collective_timeout_s:.0f}s")
+            deadline = time.monotonic() + self.cfg.collective_timeout_s
+            while not sock.poll(int(JOIN_POLL_S * 1000)):
+                if self._stop.is_set():
+                    return None
+                if time.monotonic() >= deadline:
+                    raise ProtocolError(f"no answer in {self.cfg.collective_timeout_s:.0f}s")
             frames = self._signer.open(sock.recv_multipart(), "control reply")
         finally:
             sock.close(linger=0)
