@@ -33,6 +33,10 @@ def _rewarder(cfg: StackConfig) -> int:
 
 
 def _learner(cfg: StackConfig) -> int:
+    from dgrpo.cli.tasks import announce_written, write_missing_task_files
+
+    # A config naming a bundled task's files (configs/cpu-demo.yaml: data/arith-*.parquet) runs on a fresh clone.
+    announce_written("dgrpo learner", write_missing_task_files(cfg.learner.data))
     from dgrpo.learner.main import main
 
     return main(cfg.learner_run())

@@ -162,6 +162,71 @@ def write_task(
     return paths
 
 
+_TASK_FILE = re.compile(r"(?P<name>\w+)-(?P<split>train|val)\.(?P<fmt>parquet|jsonl)")
+
+
+def bundled_task_file(path: str | Path) -> tuple[str, str, str] | None:
+    """(task, split, format) when `path` is named as `write_task` names a bundled task's split
+    (`<dir>/<task>-train.parquet`, `<task>-val.jsonl`, ...), else None."""
+    m = _TASK_FILE.fullmatch(Path(path).name)
+    return (m["name"], m["split"], m["fmt"]) if m and m["name"] in TASKS else None
+
+
+def write_missing_task_files(data, prefix: str = "learner.data") -> list[Path]:
+    """Write the files of `data.train_files` / `data.val_files` that are missing and named as a bundled task's split,
+    exactly as `python -m dgrpo.cli.tasks write <dir> --name <task> [--format jsonl]` (and the demo) writes them:
+    same rows, same bytes. Files that exist are never touched; any other missing file is left to the data check
+    (learner/rollout/data.py), which names it. Returns the paths written.
+
+    Each task's two splits are written to a private folder next to them and only the missing ones moved in
+    (`os.replace`): concurrent writers (torchrun's ranks) each put identical files in place, none sees half a file."""
+    import os
+    import shutil
+    import tempfile
+
+    from dgrpo.common.config import ConfigError
+
+    groups: dict[tuple[Path, str, str], dict[str, tuple[str, Path]]] = {}
+    for key in ("train_files", "val_files"):
+        for i, name in enumerate(getattr(data, key)):
+            path = Path(name).expanduser()
+            found = bundled_task_file(path)
+            if found is None or path.exists():
+                continue
+            task, split, fmt = found
+            groups.setdefault((path.parent, task, fmt), {})[split] = (f"{prefix}.{key}[{i}]={name!r}", path)
+    written: list[Path] = []
+    for (folder, task, fmt), missing in groups.items():
+        key = next(iter(missing.values()))[0]
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{task}-", dir=folder))
+            try:
+                made = dict(zip(("train", "val"), write_task(tmp, task, fmt=fmt), strict=True))
+                for split, (_, path) in missing.items():
+                    os.replace(made[split], path)
+                    written.append(path)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+        except OSError as e:
+            raise ConfigError(f"{key}: missing, and the bundled task {task!r} cannot be written there: {e}") from None
+    return written
+
+
+def announce_written(command: str, written: list[Path]) -> None:
+    """The one line saying which missing files were written from the bundled tasks."""
+    if not written:
+        return
+    commands = []
+    for path in written:
+        task, _, fmt = bundled_task_file(path)
+        words = ["python -m dgrpo.cli.tasks write", str(path.parent)]
+        words += [f"--name {task}"] * (task != DEMO_TASK) + ["--format jsonl"] * (fmt == "jsonl")
+        commands += [" ".join(words)] * (" ".join(words) not in commands)
+    print(f"{command}: wrote the missing {', '.join(map(str, written))} from the bundled tasks (what `"
+          f"{'` and `'.join(commands)}` writes)", flush=True)
+
+
 _NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?")
 
 

@@ -242,6 +242,62 @@ def test_up_fails_in_seconds_before_any_service_starts(launcher, tmp_path):
     assert not (tmp_path / "runs" / "cpu_demo" / "logs").exists()
 
 
+DEMO_FILE = Path(__file__).resolve().parents[1] / "configs" / "cpu-demo.yaml"
+WROTE = ("dgrpo {}: wrote the missing data/arith-train.parquet, data/arith-val.parquet from the bundled tasks (what "
+         "`python -m dgrpo.cli.tasks write data` writes)")
+
+def clone_without_data(tmp_path: Path) -> Path:
+    """A working folder as a fresh clone has it (no data/), where the demo config's export folder already holds a
+    file of the user's: the preflight refuses it after the data check, so nothing starts."""
+    clone = tmp_path / "clone"
+    (clone / "runs" / "cpu_demo" / "model").mkdir(parents=True)
+    (clone / "runs" / "cpu_demo" / "model" / "notes.txt").write_text("keep me")
+    return clone
+
+
+def assert_bundled_demo_files(folder: Path, reference: Path) -> None:
+    """`folder` holds the demo task's files, byte for byte those `python -m dgrpo.cli.tasks write` writes."""
+    from dgrpo.cli.tasks import write_task
+
+    for made in write_task(reference):
+        assert (folder / made.name).read_bytes() == made.read_bytes(), made.name
+
+
+def test_up_on_a_clone_without_data_writes_the_bundled_task_its_config_names(launcher, tmp_path):
+    """README's `dgrpo up --config configs/cpu-demo.yaml` before anything wrote data/: the files are written (one
+    line says so) and the preflight goes on to its next check."""
+    clone = clone_without_data(tmp_path)
+    proc = subprocess.run([sys.executable, "-m", "dgrpo.cli", "up", "--config", str(DEMO_FILE)], cwd=clone,
+                          check=False, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "learner.checkpoint.export_dir='runs/cpu_demo/model'" in proc.stderr, proc.stderr  # the next check
+    said = [line for line in proc.stdout.splitlines() if "data/arith-" in line]
+    assert said == [WROTE.format("up")], proc.stdout
+    assert_bundled_demo_files(clone / "data", tmp_path / "reference")
+    assert "sampler(s)" not in proc.stdout  # nothing was started
+
+    # --no-demo-data: nothing is written, the data check names the file.
+    shutil.rmtree(clone / "data")
+    proc = subprocess.run([sys.executable, "-m", "dgrpo.cli", "up", "--no-demo-data", "--config", str(DEMO_FILE)],
+                          cwd=clone, check=False, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "learner.data.train_files[0]='data/arith-train.parquet': no such file" in proc.stderr, proc.stderr
+    assert not (clone / "data").exists()
+
+
+def test_learner_on_a_clone_without_data_writes_the_bundled_task_its_config_names(child_processes, tmp_path):
+    """README's `dgrpo learner --config configs/cpu-demo.yaml` by hand, before anything wrote data/."""
+    clone = clone_without_data(tmp_path)
+    proc = subprocess.run([sys.executable, "-m", "dgrpo.cli", "learner", "--config", str(DEMO_FILE),
+                           "learner.trainer.control_port=0"], cwd=clone, check=False, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "learner.checkpoint.export_dir='runs/cpu_demo/model'" in proc.stderr, proc.stderr  # the next check
+    said = [line for line in proc.stdout.splitlines() if "data/arith-" in line]
+    assert said == [WROTE.format("learner")], proc.stdout
+    assert_bundled_demo_files(clone / "data", tmp_path / "reference")
+
+
 def test_up_keeps_the_users_train_files_and_ports(tmp_path):
     mine = write_jsonl(tmp_path / "mine.jsonl", ROWS)
     port = stable_free_port()

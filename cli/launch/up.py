@@ -52,8 +52,9 @@ def stable_free_port() -> int:
 
 
 def resolve_stack(args) -> tuple:
-    """Load the config (the CPU demo when no --config is given), write demo data if needed, pick ports, and run the
-    preflight (data, output folders, ports) before any service starts. Keys given on the command line are kept."""
+    """Load the config (the CPU demo when no --config is given), write demo data if needed (and a bundled task's files
+    the config names when they are missing), pick ports, and run the preflight (data, output folders, ports) before
+    any service starts. Keys given on the command line are kept."""
     from dgrpo.cli.launch.preflight import assign_ports, covers, file_keys, given_keys, preflight_stack
     from dgrpo.cli.stack import StackConfig
 
@@ -87,6 +88,10 @@ def resolve_stack(args) -> tuple:
               "line to keep them)", flush=True)
     cfg = load_config(StackConfig, config_file, [*extra, *ports.overrides, *args.overrides])  # the user's win
     cfg.check_whole_stack()
+    if not args.no_demo_data:  # a config naming a bundled task's files (configs/cpu-demo.yaml: data/arith-*.parquet)
+        from dgrpo.cli.tasks import announce_written, write_missing_task_files
+
+        announce_written("dgrpo up", write_missing_task_files(cfg.learner.data))
     preflight_stack(cfg, ports)
     cfg.auth.token()  # a bad token file fails here, once; the services read the same file (or inherit DGRPO_TOKEN)
     return cfg, run_dir, ports.sampler_ports, ports.rewarder_port
@@ -203,7 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--config", type=Path, help="stack YAML (default: configs/cpu-demo.yaml with generated data)")
     parser.add_argument("--samplers", type=int, default=1, help="sampler replicas to start (default 1)")
-    parser.add_argument("--no-demo-data", action="store_true", help="do not generate the demo task's data")
+    parser.add_argument("--no-demo-data", action="store_true",
+                        help="do not generate the bundled tasks' data: neither the demo's own copy (no --config) nor "
+                             "the missing <task>-train/-val files a config names")
     parser.add_argument("--start-timeout", type=float, default=600, help="seconds for a service to become healthy")
     parser.add_argument("--max-restarts", type=int, default=3,
                         help="restarts of a dead sampler or rewarder within 10 minutes before it is given up "
