@@ -158,6 +158,27 @@ def _swap_in(tmp: Path, final: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def _normal_modes(folder: Path) -> None:
+    """Give every file under `folder` the mode a file created there normally gets (0666 & ~umask, as `open()` and so
+    `save_pretrained` give), every folder that of a new folder. safetensors creates its files owner-only (0600), so
+    the weights alone would be unreadable to another user serving the export (`vllm serve` under its own account).
+    The modes are read from a probe file and folder, never by setting the process umask (other threads create
+    files meanwhile)."""
+    import os
+
+    probe = folder / ".mode-probe"
+    probe.mkdir()
+    dir_mode = probe.stat().st_mode & 0o7777
+    probe.rmdir()
+    probe.touch()
+    file_mode = probe.stat().st_mode & 0o7777
+    probe.unlink()
+    for root, dirs, files in os.walk(folder):
+        os.chmod(root, dir_mode)
+        for name in files:
+            os.chmod(os.path.join(root, name), file_mode)
+
+
 def _param_count(actor: Actor) -> int:
     return sum(p.numel() for p in actor.policy.parameters())  # global sizes, also for FSDP2 DTensors
 
@@ -318,6 +339,7 @@ def _export_adapter(actor: Actor, out: Path, dtype: str) -> Path:
         AutoTokenizer.from_pretrained(actor.model_path).save_pretrained(tmp)
         if merged is not None:
             _write_hf_folder(actor.policy.get_base_model(), merged, tmp / "merged", dtype, actor.model_path)
+        _normal_modes(tmp)
         _swap_in(tmp, out)
 
     return _write_export(actor, write, tmp, out, dtype)
@@ -365,6 +387,7 @@ def _export_full(actor: Actor, out: Path, dtype: str, sd: dict[str, torch.Tensor
     def write() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         _write_hf_folder(actor.policy, sd, tmp, dtype, actor.model_path)
+        _normal_modes(tmp)
         _swap_in(tmp, out)  # a previous export stays whole until this one is
 
     return _write_export(actor, write, tmp, out, dtype)

@@ -108,6 +108,35 @@ def test_export_loads_in_transformers(tiny_model, tmp_path):
     assert tokenizer.chat_template  # the deployment keeps the chat format it was trained with
 
 
+def export_modes(folder) -> dict[str, int]:
+    """Every file's and folder's permission bits under `folder` (itself as '.')."""
+    return {str(p.relative_to(folder)): p.stat().st_mode & 0o7777 for p in [folder, *folder.rglob("*")]}
+
+
+@pytest.fixture
+def umask():
+    """Set the process umask for a test (restored after)."""
+    import os
+
+    before = os.umask(0o022)
+    os.umask(before)
+    yield os.umask
+    os.umask(before)
+
+
+def test_the_export_has_the_modes_save_pretrained_gives(tiny_model, tmp_path, umask):
+    """safetensors writes its file owner-only (0600): the weights alone would be unreadable to another user serving
+    the export. Every file gets what a new file gets under the umask (tokenizer.json, from save_pretrained), every
+    folder what a new folder gets; 0027 shows the umask is followed, not a fixed 0644."""
+    actor = make_actor(tiny_model)
+    for mask, file_mode, dir_mode in ((0o027, 0o640, 0o750), (0o022, 0o644, 0o755)):
+        umask(mask)
+        out = export_hf(actor, tmp_path / "export")
+        modes = export_modes(out)
+        assert "model.safetensors" in modes and modes["tokenizer.json"] == file_mode
+        assert modes == {name: dir_mode if (out / name).is_dir() else file_mode for name in modes}, oct(mask)
+
+
 def test_checkpoint_of_another_model_is_refused_by_name(tiny_model, tmp_path):
     """A leftover checkpoint of a different model in checkpoint.dir: a one-line error naming the mismatch."""
     from dgrpo.common.models import make_tiny_model

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -184,14 +185,25 @@ def test_a_full_checkpoint_does_not_resume_a_lora_run(tiny_model, tmp_path):
 
 def test_export_writes_the_peft_adapter_and_the_merged_model(tiny_model, tmp_path):
     """The adapter folder loads with PEFT onto the base model, the merged folder with transformers alone; both give
-    the trained policy's logits."""
+    the trained policy's logits. Under umask 0022 every file is 0644 and every folder 0755, adapter_model.safetensors
+    and merged/model.safetensors too (safetensors alone writes 0600: `vllm serve` under another user could not read
+    them)."""
+    import os
+
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     actor = lora_actor(tiny_model, lora=LORA.model_copy(update={"export_merged": True}))
     for s in range(2):
         actor.update(make_seqs(8, seed=s), group_size=4)
-    out = ckpt.export_hf(actor, tmp_path / "export", dtype="float32")
+    before = os.umask(0o022)
+    try:
+        out = ckpt.export_hf(actor, tmp_path / "export", dtype="float32")
+    finally:
+        os.umask(before)
+    modes = {p.relative_to(out): p.stat().st_mode & 0o7777 for p in [out, *out.rglob("*")]}
+    assert {p for p, m in modes.items() if m != (0o755 if (out / p).is_dir() else 0o644)} == set(), modes
+    assert {Path("adapter_model.safetensors"), Path("merged/model.safetensors")} <= set(modes)
     assert {"adapter_model.safetensors", "adapter_config.json", "tokenizer.json"} <= {p.name for p in out.iterdir()}
     assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == str(tiny_model)
     ids = torch.tensor([[1, 17, 42, 99, 5, 7]])
