@@ -390,6 +390,29 @@ def open_slot(ref, mapping=None) -> tuple[SlotReader, object]:
         raise
 
 
+def completed_manifest_xxh3(ref) -> int | None:
+    """The manifest id of the streamed write `ref` names (path, version, its odd announced seq) now that it is
+    complete: the checksum of the manifest with every tensor's checksum filled in, the id the learner logs and
+    announces once the write is done (the announcement at its start carried the id of the manifest without them).
+    None when the slot holds another write by now, or is gone."""
+    from dgrpo.weights.shm import open_readonly
+
+    try:
+        mapped = open_readonly(ref.path)
+    except (FileNotFoundError, ValueError):  # gone, or empty
+        return None
+    try:
+        final = ref.seq + 1
+        if read_seq(mapped) != final:
+            return None
+        header = read_header(mapped)
+        return header.manifest_xxh if header.version == ref.version and read_seq(mapped) == final else None
+    except WeightIntegrityError:
+        return None
+    finally:
+        mapped.close()
+
+
 def _check_bounds(manifest: Manifest, data_end: int) -> None:
     """Every tensor lies inside the data region with the size its dtype and shape need (a manifest that passed its
     checksum was written by the learner, but a reader must not trust offsets blindly)."""

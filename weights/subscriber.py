@@ -49,7 +49,7 @@ from dgrpo.weights.config import WeightSyncConfig
 from dgrpo.weights.lora import check_adapter
 from dgrpo.weights.protocol import Announcement, ProtocolError
 from dgrpo.weights.shm import ShmSegment, owner_tag, reclaim_stale
-from dgrpo.weights.slot import WeightIntegrityError
+from dgrpo.weights.slot import WeightIntegrityError, completed_manifest_xxh3
 from dgrpo.weights.target import SlotRef, WeightChannelBroken, WeightTarget
 from dgrpo.weights.transports import transport_for, transport_of_wire
 
@@ -292,15 +292,22 @@ class WeightSubscriber:
             t2 = time.perf_counter()
             ref, ann = await self._apply_or_recover(ref, ann)
             t3 = time.perf_counter()
+            # Streamed: the id of the manifest as completed (what the learner logs), read before the learner can
+            # start rewriting this slot (two versions on), not the announced one (its checksums still unknown).
+            manifest = completed_manifest_xxh3(ref) if ref.streamed else ann.manifest_xxh3
             self.target.set_version(ref.version)
             done_at = time.perf_counter()
             self.run_id, self.current = ann.run_id, ann
         t4 = time.perf_counter()
         self.last_stats = LoadStats(ref.version, ann.nbytes, ref.streamed, fetch_s, t1 - t0 - fetch_s, pause_s,
                                     t3 - t2, t4 - t3, t4 - t0, done_at)
+        # The manifest id is the learner's `published ... manifest <id>` for the same version (complete or streamed).
         log.info("loaded weight version %d (%.1f MB%s) in %.3fs: fetch %.3f stage %.3f pause %.3f load %.3f "
-                 "resume %.3f; manifest %016x", ref.version, ann.nbytes / 1e6, ", streamed" if ref.streamed else "",
-                 t4 - t0, fetch_s, t1 - t0 - fetch_s, pause_s, t3 - t2, t4 - t3, ann.manifest_xxh3)
+                 "resume %.3f; %s", ref.version, ann.nbytes / 1e6, ", streamed" if ref.streamed else "",
+                 t4 - t0, fetch_s, t1 - t0 - fetch_s, pause_s, t3 - t2, t4 - t3,
+                 f"manifest {manifest:016x}" if manifest is not None
+                 else f"manifest unknown (the slot was rewritten before its final id was read; announced with "
+                      f"{ann.manifest_xxh3:016x}, its checksums not yet in)")
         return True
 
     async def _stage(self, ann: Announcement) -> tuple[SlotRef, float] | None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import logging
+import re
 import sys
 import threading
 from pathlib import Path
@@ -222,7 +224,8 @@ def _streamed(pub: WeightPublisher, version: int, release: threading.Event, fail
     return writer, sums_of(tensors)
 
 
-def test_a_streamed_version_loads_while_the_learner_still_writes_it(channel_cfg, start_peer):
+def test_a_streamed_version_loads_while_the_learner_still_writes_it(channel_cfg, start_peer, caplog):
+    caplog.set_level(logging.INFO, logger="dgrpo.weights.publisher")
     cfg = channel_cfg()
     with WeightPublisher(cfg, "streamed", dtype="bfloat16") as pub:
         publish(pub, 1)
@@ -240,6 +243,12 @@ def test_a_streamed_version_loads_while_the_learner_still_writes_it(channel_cfg,
         assert peer.stop() == 0
     assert peer.served() == [1, 2] and peer.named("torn", "rejected") == []
     assert all(e["version"] != 2 for e in peer.events if e["event"] == "staging")  # streamed: no separate stage
+    # One name for one thing: the learner's and the replica's log lines give a version the same manifest id, streamed
+    # (announced before its checksums were filled in) or not (the regexes tests/learner/test_loop_hosts.py uses).
+    published = dict(re.findall(r"published weights v(\d+) .*manifest ([0-9a-f]{16})", caplog.text))
+    loaded = dict(re.findall(r"loaded weight version (\d+) \(.*\).*manifest ([0-9a-f]{16})", peer.logs()))
+    assert "streamed" in next(x for x in peer.logs().splitlines() if "loaded weight version 2" in x)
+    assert published == loaded and sorted(loaded) == ["1", "2"], (published, loaded)
 
 
 def test_an_abandoned_streamed_version_is_never_served_and_the_previous_one_comes_back(channel_cfg, start_peer):

@@ -18,6 +18,7 @@ import zmq
 from dgrpo.weights import protocol, slot
 from dgrpo.weights.publisher import WeightPublisher
 from dgrpo.weights.shm import open_readonly
+from dgrpo.weights.target import SlotRef
 
 
 def state(value: float, n: int = 4) -> dict[str, torch.Tensor]:
@@ -229,6 +230,29 @@ def test_a_streamed_version_opened_while_its_write_completes_is_read_not_rejecte
         struct.pack_into("<Q", buffer, slot.SEQ_OFFSET, early.seq)
         with pytest.raises(slot.WeightIntegrityError, match="manifest checksum mismatch"):
             reader_of(early, cfg)
+        sub.close(linger=0)
+
+
+def test_a_streamed_versions_completed_manifest_id_is_the_one_the_learner_announces_once_complete(sync_cfg):
+    """The announcement at a streamed write's start carries the id of the manifest without its checksums; once the
+    write is done, `completed_manifest_xxh3` reads from the slot the id the learner logs and announces as complete
+    (what a replica logs for the version), and nothing once the slot holds another write."""
+    cfg = sync_cfg()
+    with WeightPublisher(cfg, "ids", dtype="float32") as pub, zmq.Context() as ctx:
+        sub = _subscribed(ctx, cfg)
+        weights = state(2.0)
+        pub.publish(iter(weights.items()), 1, layout=[(name, list(t.shape)) for name, t in weights.items()])
+        early = protocol.decode_announcement(sub.recv_multipart())
+        complete = protocol.decode_announcement(sub.recv_multipart())
+        assert early.streaming and not complete.streaming and early.manifest_xxh3 != complete.manifest_xxh3
+        path = os.path.join(cfg.shm_dir, early.segment)
+        ref = SlotRef(path, 1, early.seq, early.manifest_xxh3, True, 1.0)
+        assert slot.completed_manifest_xxh3(ref) == complete.manifest_xxh3 == pub.latest.manifest_xxh3
+        pub.publish(iter(state(3.0).items()), 2)  # the other slot: this one still holds version 1
+        assert slot.completed_manifest_xxh3(ref) == complete.manifest_xxh3
+        pub.publish(iter(state(4.0).items()), 3)  # this slot rewritten
+        assert slot.completed_manifest_xxh3(ref) is None
+        assert slot.completed_manifest_xxh3(SlotRef(path + "-gone", 1, early.seq, 0, True, 1.0)) is None
         sub.close(linger=0)
 
 
