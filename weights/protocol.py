@@ -116,18 +116,21 @@ def decode_announcement(frames: list[bytes]) -> pb.WeightAnnouncement:
         raise ProtocolError(f"announcement of version {ann.version}: slot {ann.slot} does not exist")
     if ann.transport not in TRANSPORT_NAMES:
         raise ProtocolError(f"announcement of version {ann.version}: unknown transport {ann.transport}")
-    # Wire facts of the enum, not the strategies' traits: asking weights/transports/ from here would close a cycle
-    # (transports -> collective, relay -> slot -> protocol), and this check must run wherever frames are decoded.
-    if ann.transport == pb.WEIGHT_TRANSPORT_SHM and not SEGMENT.match(ann.segment):
-        raise ProtocolError(f"announcement of version {ann.version}: segment {ann.segment!r} is not a weight "
-                            "slot's file name")
-    if ann.streaming and (ann.seq % 2 == 0 or ann.transport != pb.WEIGHT_TRANSPORT_SHM):
-        raise ProtocolError(f"announcement of version {ann.version}: streaming needs the shm transport and an odd "
-                            f"seq (got seq {ann.seq})")
+    # Field checks, whatever the transport: a segment is a file opened in /dev/shm, so only a weight slot's name
+    # passes; which transports must name one is the strategy's check (WeightTransport.check_announcement).
+    if ann.segment and not SEGMENT.match(ann.segment):
+        raise ProtocolError(segment_error(ann))
+    if ann.streaming and (ann.seq % 2 == 0 or not ann.segment):
+        raise ProtocolError(f"announcement of version {ann.version}: streaming needs a slot read in place (a "
+                            f"segment) and an odd seq (got seq {ann.seq}, segment {ann.segment!r})")
     if ann.manifest.version != ann.version or not ann.manifest.tensors:
         raise ProtocolError(f"announcement of version {ann.version}: its manifest holds version "
                             f"{ann.manifest.version} with {len(ann.manifest.tensors)} tensors")
     return ann
+
+
+def segment_error(ann: pb.WeightAnnouncement) -> str:
+    return f"announcement of version {ann.version}: segment {ann.segment!r} is not a weight slot's file name"
 
 
 # --- control requests and replies ---------------------------------------------------------------------------------

@@ -149,7 +149,7 @@ def read_index(path: Path) -> Announcement | None:
     except ProtocolError as e:
         log.error("the host's weight index %s is not a weight announcement: %s", path, e)
         return None
-    return ann if ann.transport == protocol.TRANSPORTS["shm"] else None  # the host's own slot, read in place
+    return ann if ann.segment else None  # the host's own slot, read in place: an index without one names nothing
 
 
 class HostIndex:

@@ -188,6 +188,7 @@ class WeightSubscriber:
     async def _handle(self, frames: list[bytes]) -> None:
         try:
             ann = protocol.decode_announcement(self._signer.open(frames, "announcement"))
+            transport_of_wire(ann.transport).check_announcement(ann)
         except ProtocolError as e:
             self._reject(f"ignoring an announcement: {e}")
             return

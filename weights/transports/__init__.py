@@ -1,7 +1,10 @@
 """The weight transports, one strategy a file, and the factory that picks one from `weights.transport`.
 
 Nothing outside this package asks which transport is in use: the publisher, the subscriber, `dgrpo doctor` and
-`dgrpo plan`, the stack's checks and `dgrpo up` ask the strategy (`transport_for(cfg.weights)`) what to do. A new
+`dgrpo plan`, the stack's checks and `dgrpo up` ask the strategy (`transport_for(cfg.weights)`) what to do, and a
+sampler checks each announcement with the strategy of its sender (`transport_of_wire`); the wire protocol checks
+fields only. The schema names the transports as values: its Literal, and the one option only collective reads
+(weights/config.py). A new
 transport is a new file here (a `WeightTransport` subclass), its entry in `TRANSPORTS`, its value in
 `weights.transport`'s Literal (weights/config.py) and its wire value in weights.proto's `WeightTransport` enum.
 """

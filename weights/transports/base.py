@@ -55,6 +55,16 @@ class WeightTransport:
 
     # --- a sampler's side ---
 
+    @classmethod
+    def check_announcement(cls, ann) -> None:
+        """Raise ProtocolError when a decoded announcement (weights/protocol.py checked its fields) is not one this
+        transport sends: streamed versions are read in place, so only transports that stream may announce them."""
+        from dgrpo.weights.protocol import ProtocolError
+
+        if ann.streaming and not cls.streams:
+            raise ProtocolError(f"announcement of version {ann.version}: weights.transport={cls.name} streams no "
+                                "version")
+
     def host_relay(self, token: bytes | None):
         """(relay, index) when versions reach this host through a relay (`relayed`), else None."""
 

@@ -22,5 +22,14 @@ class ShmTransport(WeightTransport):
     def shm_copies(self) -> tuple[str, int, str]:
         return "2 slots", 2, f"in {self.cfg.shm_dir}"
 
+    @classmethod
+    def check_announcement(cls, ann) -> None:
+        """Samplers open the announced slot in /dev/shm: a version without one cannot be loaded."""
+        from dgrpo.weights.protocol import ProtocolError, segment_error
+
+        super().check_announcement(ann)
+        if ann.version and not ann.segment:
+            raise ProtocolError(segment_error(ann))
+
     def slots_place(self) -> str:
         return self.cfg.shm_dir
