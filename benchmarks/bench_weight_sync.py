@@ -153,10 +153,12 @@ def report(name: str, rows, anchors: list[float], nreplicas: int) -> None:
 
 
 def main() -> None:
+    from dgrpo.weights.transports import TRANSPORTS  # light: the strategies import their machinery when used
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds (after one warm-up)")
     parser.add_argument("--replicas", type=int, default=2)
-    parser.add_argument("--transport", choices=["shm", "tcp", "collective"], default="shm",
+    parser.add_argument("--transport", choices=sorted(TRANSPORTS), default="shm",
                         help="collective: the learner and the replicas on two simulated hosts (needs root)")
     parser.add_argument("--link-mbit", type=int, default=0, help="two hosts: tc htb cap of the link (0: none)")
     parser.add_argument("--two-hosts", action="store_true",
@@ -169,7 +171,8 @@ def main() -> None:
                         help="sampler.cpu_cores of the replicas (auto: vLLM's binding, one core per worker on 2 cores; "
                              "all: every core, none reserved)")
     args = parser.parse_args()
-    if args.transport == "collective" or args.two_hosts:
+    transport = TRANSPORTS[args.transport]
+    if transport.relayed or args.two_hosts:
         import bench_weight_sync_hosts
 
         bench_weight_sync_hosts.run(args)
@@ -197,7 +200,7 @@ def main() -> None:
     replicas = [Replica(model_path, cfg) for _ in range(args.replicas)]
     # Every round runs each mode and the anchor back to back, so that ratios compare like with like on a shared,
     # noisy machine (the anchor alone varied 0.38-0.55 s between runs here).
-    modes = {"streamed": True, "complete": False} if args.transport == "shm" else {"complete": False}
+    modes = {"streamed": True, "complete": False} if transport.streams else {"complete": False}
     rows: dict[str, list] = {m: [] for m in modes}
     anchors: list[float] = []
     version = 0
