@@ -11,10 +11,11 @@ depends on how loaded the machine is. Cheap on purpose: grpc and the generated p
 The scripted engine steps `rate` times a second while it holds requests; each step adds one token to every running
 completion (engines batch), so `rate` is every prompt's token rate. Prompt i of a call of k prompts completes after
 ceil(max_tokens * (i + 1) / k) tokens (stop), the last one at max_tokens (length): groups stream one by one, as
-completions of different lengths do. Info reports what the real sampler reports (sampler/servicer.py): engine_steps,
-running_requests, busy_seconds, weight_version. Faults: `stall_after_steps` (or SIGUSR1; SIGUSR2 resumes) stops the
-engine while gRPC keeps answering; `abort_after_groups` drops a stream with UNAVAILABLE; the test freezes the process
-(`ScriptedService.frozen`, SIGSTOP) or kills it. Every event goes to a JSON-lines journal the test reads.
+completions of different lengths do; `jitter` makes its steps uneven. Info reports what the real sampler reports
+(sampler/servicer.py): engine_steps, running_requests, busy_seconds, weight_version. Faults: `stall_after_steps` (or
+SIGUSR1; SIGUSR2 resumes) stops the engine while gRPC keeps answering; `abort_after_groups` drops a stream with
+UNAVAILABLE; the test freezes the process (`ScriptedService.frozen`, SIGSTOP) or kills it. Every event goes to a
+JSON-lines journal the test reads.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import asyncio
 import json
 import math
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -69,10 +71,13 @@ class Request:
 
 
 class Engine:
-    """Steps at `rate` per second while it holds requests (catching up on late wake-ups, at most 0.2 s worth)."""
+    """Steps at `rate` per second while it holds requests (catching up on late wake-ups, at most 0.2 s worth). With
+    `jitter` j, each step instead takes (1 +- j) / rate, drawn uniformly (seeded by `seed`): the uneven steps of an
+    engine on a loaded host."""
 
-    def __init__(self, rate: float, stall_after_steps: int | None):
+    def __init__(self, rate: float, stall_after_steps: int | None, jitter: float = 0.0, seed: int = 0):
         self.rate, self.stall_after_steps = rate, stall_after_steps
+        self.jitter, self.rng = jitter, random.Random(seed)
         self.steps, self.stalled = 0, False
         self.running: list[Request] = []
         self.wake = asyncio.Event()
@@ -103,6 +108,11 @@ class Engine:
                 self.wake.clear()
                 await self.wake.wait()
                 credit, last = 0.0, time.monotonic()
+                continue
+            if self.jitter:
+                await asyncio.sleep(self.rng.uniform(1 - self.jitter, 1 + self.jitter) / self.rate)
+                if self.can_step:
+                    self.step()
                 continue
             await asyncio.sleep(1 / self.rate)
             now = time.monotonic()
@@ -165,7 +175,8 @@ class ScriptedSampler(sampler_pb2_grpc.SamplerServicer):
         self.max_model_len = int(script.get("max_model_len", 2048))
         self.abort_after_groups = script.get("abort_after_groups")
         self.abort_calls = script.get("abort_calls", 1)  # how many calls (the first ones) drop; None: every one
-        self.engine = Engine(float(script.get("rate", 100.0)), script.get("stall_after_steps"))
+        self.engine = Engine(float(script.get("rate", 100.0)), script.get("stall_after_steps"),
+                             float(script.get("jitter", 0.0)), zlib.crc32(self.replica_id.encode()))
         self.journal = Journal(script.get("journal"), replica=self.replica_id)
         self.calls = 0
 

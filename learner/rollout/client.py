@@ -277,7 +277,8 @@ class RolloutClient:
     async def _watch_stragglers(self, batch: Batch) -> None:
         """Every `straggler_check_s`, the engine steps of the replicas holding prompts; a straggler's pending
         prompts are hedged on the fastest healthy replica (learner/rollout/stragglers.py)."""
-        rates = StepRates(self.cfg.straggler_speed, suspects=self._straggler_suspects)
+        rates = StepRates(self.cfg.straggler_speed, check_s=self.cfg.straggler_check_s,
+                          suspects=self._straggler_suspects)
         # One Info in flight per replica: one not answered within a check counts as not stepping at that check, and
         # its answer, when it comes, is read at the time it came (learner/rollout/stragglers.py).
         readings: dict[str, asyncio.Task] = {}
@@ -301,13 +302,16 @@ class RolloutClient:
                         answer = readings.pop(address).result()
                         if answer is not None:
                             read_at[address], steps[address] = answer
-                for straggler in rates.observe(now, steps, holders, read_at, finished=batch.delivered_by - holders):
+                finished = {a: s for a, s in batch.delivered_by.items() if a not in holders}
+                stragglers = rates.observe(now, steps, holders, read_at, finished=finished)
+                batch.keeping_pace = rates.keeping_pace()
+                for straggler in stragglers:
                     target = self._hedge_target(batch, rates, exclude=straggler)
                     prompts = batch.hedge_from(straggler) if target else []
                     if prompts:
                         batch.stats.hedged_prompts += len(prompts)
                         log.info("sampler %s steps at %.1f/s, %s at %.1f/s: hedging its %d pending prompts there",
-                                 straggler, rates.rates.get(straggler, 0.0), target, rates.rates.get(target, 0.0),
+                                 straggler, rates.judged.get(straggler, 0.0), target, rates.rates.get(target, 0.0),
                                  len(prompts))
                         task = asyncio.create_task(self._call(target, prompts, True, batch))
                         batch.tasks.add(task)
@@ -380,7 +384,7 @@ class RolloutClient:
                                f"{group.prompt_id!r}, expected n={batch.sampling.n}")
         del batch.pending[group.prompt_id]
         call.delivered += 1
-        batch.delivered_by.add(call.address)
+        batch.delivered_by[call.address] = time.monotonic() - batch.started
         batch.stats.groups_by_replica[group.replica_id or call.address] += 1
         batch.out.put_nowait(group)
 

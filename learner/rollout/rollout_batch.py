@@ -95,15 +95,22 @@ class Batch:
     """Hedge calls started by the straggler watch (a replica's worker runs its own calls)."""
     started: float = field(default_factory=time.monotonic)
     replicas: list[str] = field(default_factory=list)
-    delivered_by: set[str] = field(default_factory=set)
-    """Replicas that delivered a group of this batch first: proof their engines step (learner/rollout/stragglers.py)."""
+    delivered_by: dict[str, float] = field(default_factory=dict)
+    """Replicas that delivered a group of this batch first, with the seconds from the batch's start to their last such
+    group: proof their engines step, and how long a whole chunk took them (learner/rollout/stragglers.py)."""
+    keeping_pace: set[str] = field(default_factory=set)
+    """Replicas the straggler watch last found stepping at least `straggler_speed` of the fastest: an idle replica
+    does not duplicate their prompts (`hedge_for`)."""
     done: bool = False
     """Every group is in (or the step gave up): workers stop at their next turn, even one whose cancellation a
     library swallowed (a wait_for racing its own timeout before Python 3.12, a gRPC call cancelled as it ends)."""
 
     def hedge_for(self, address: str) -> list[str]:
-        """Prompts a straggler holds that an idle `address` may duplicate (each prompt hedged at most once)."""
-        held = [c for c in self.calls if c.address != address and not c.hedge]
+        """Prompts a straggler holds that an idle `address` may duplicate (each prompt hedged at most once). Never
+        those of a replica keeping pace: a copy starts from the first token on an engine at most 1 / straggler_speed
+        as fast, so it wins only where the original had barely started (or where its sample happens to be shorter),
+        and it slows the original down on shared hardware meanwhile."""
+        held = [c for c in self.calls if c.address != address and not c.hedge and c.address not in self.keeping_pace]
         held.sort(key=lambda c: c.last_progress)  # the quietest call first
         for call in held:
             prompts = self._unhedged(call)

@@ -259,3 +259,54 @@ def test_equal_replicas_are_never_hedged(child_processes, equal_pair):
     assert totals.hedged_prompts == 0 and totals.duplicates_dropped == 0 and not totals.unhealthy_replicas, totals
     generated = Counter(p for s in (a, b) for e in s.events("start") for p in e["prompts"] if p.startswith("eq"))
     assert set(generated.values()) == {1} and len(generated) == 24, generated
+
+
+def test_equal_replicas_whose_engine_steps_outlast_a_check_are_never_hedged(child_processes, replicas):
+    """Issue 47, item 3: on a loaded host an engine step (here 0.6 s +- 40%) is longer than a straggler check
+    (0.25 s), so over one check a busy engine often reads 0 steps; the demo's two replicas then hedged each other's
+    prompts at every step (8 of 8). Judged over windows of 7 engine steps of the fastest, two equal replicas are never
+    stragglers, nor is the idle hedge taken from a replica keeping pace: over several batches no prompt is generated
+    twice, and each replica keeps its own chunk."""
+    a, b = replicas({"replica_id": "r0", "rate": 1 / 0.6, "jitter": 0.4},
+                    {"replica_id": "r1", "rate": 1 / 0.6, "jitter": 0.4})
+    cfg = config(max_response_length=12, step_timeout_s=60.0)  # the defaults: 0.25 s checks, straggler_speed 0.5
+    assert cfg.straggler_check_s == 0.25 and cfg.straggler_speed == 0.5 and cfg.hedge_after_s == 2.0
+    totals = RolloutStats()
+
+    async def scenario():
+        client = RolloutClient([a.address, b.address], cfg)
+        try:
+            for step in range(3):
+                stats = RolloutStats()
+                groups = await rollout(client, cfg, f"slow{step}", stats)
+                check_groups(groups, f"slow{step}", cfg)
+                assert stats.groups_by_replica == {"r0": 4, "r1": 4}, stats
+                totals.merge(stats)
+            return client._straggler_suspects
+        finally:
+            await client.close()
+
+    suspects = asyncio.run(scenario())
+    assert totals.hedged_prompts == 0 and totals.duplicates_dropped == 0 and totals.calls == 6, totals
+    assert not suspects and not totals.unhealthy_replicas
+    generated = Counter(p for s in (a, b) for e in s.events("start") for p in e["prompts"])
+    assert set(generated.values()) == {1} and len(generated) == 24, generated
+
+
+def test_a_replica_at_a_third_of_the_speed_is_still_hedged_when_steps_outlast_a_check(child_processes, replicas):
+    """Both engines step slower than a check (0.33 s and 1 s per step, +- 30%): r1, at a third of r0's speed, is found
+    once a window holds 7 of r0's steps and its prompts are hedged on r0 while r0 still generates its own chunk, so the
+    batch ends near r0's time (its own 12 steps, then the hedged prompts' 12 from about 2.5 s on), far before r1's
+    12 s; idle hedging (30 s) plays no part."""
+    fast, slow = replicas({"replica_id": "r0", "rate": 3.0, "jitter": 0.3},
+                          {"replica_id": "r1", "rate": 1.0, "jitter": 0.3})
+    cfg = config(max_response_length=12, hedge_after_s=30.0)
+    stats = RolloutStats()
+    groups, took = timed_rollout([fast, slow], cfg, "third", stats)
+    check_groups(groups, "third", cfg)
+    # r1's first prompt (3 of its slow steps) can still come in as the hedge starts: at most that one is r1's.
+    assert stats.hedged_prompts >= 3 and stats.groups_by_replica["r0"] >= 7, stats
+    assert took < 0.75 * 12 / 1.0, f"{took:.1f}s: the step waited for the straggler"
+    starts, own_last = fast.events("start"), max(e["t"] for e in fast.events("group") if e["call"] == 1)
+    assert len(starts) == 2 and starts[1]["t"] < own_last, fast.events()
+    slow.wait_event("cancelled")
