@@ -155,6 +155,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.command == "learner" and process_entry:
         _reexec_on_host_allocator(cfg, argv)
+    if process_entry:  # started by `dgrpo up`: ends with its process tree when `up` dies (cli/launch/lifeline.py)
+        from dgrpo.cli.launch.lifeline import watch_from_env
+
+        watch_from_env(args.command)
     try:
         return int(COMMANDS[args.command][2](cfg) or 0)
     except (ConfigError, FileNotFoundError) as e:  # bad paths surface at start, as one clear line

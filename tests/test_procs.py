@@ -85,3 +85,54 @@ def test_kill_group_of_a_finished_group_is_a_no_op(child_processes):
     done.wait()
     time.sleep(0.1)
     assert procs.kill_group(done.pid) == []
+
+
+# A service as `dgrpo up` starts it: it watches the lifeline it inherited, creates its own dgrpo weight segment and
+# starts the child that maps a vLLM-like segment; then it works on (a sleep) as if nothing could happen to `up`.
+SERVICE = """
+import mmap, os, subprocess, sys, time
+from dgrpo.cli.launch.lifeline import watch_from_env
+from dgrpo.weights.shm import pid_namespace
+assert watch_from_env("test")
+own = f"/dev/shm/dgrpo-w-{sys.argv[3]}-{pid_namespace()}-{os.getpid()}-s0"
+fd = os.open(own, os.O_RDWR | os.O_CREAT, 0o600)
+os.ftruncate(fd, 4096)
+m = mmap.mmap(fd, 4096)
+child = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]], stdout=subprocess.PIPE, text=True)
+assert child.stdout.readline().strip() == "mapped"
+print(child.pid, own, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_service_ends_with_its_tree_and_shared_memory_when_up_dies(child_processes):
+    """The lifeline (cli/launch/lifeline.py): the write end's last holder gone, as when `up` is SIGKILLed, the
+    service kills its group, unlinks the segments it and its child used, and itself, within seconds."""
+    from dgrpo.cli.launch.lifeline import Lifeline
+
+    run_id = f"life{uuid.uuid4().hex[:6]}"
+    segment = Path(procs.SHM_DIR) / f"psm_test_{run_id}"
+    lifeline = Lifeline()
+    service = subprocess.Popen([sys.executable, "-c", SERVICE, CHILD, str(segment), run_id], stdout=subprocess.PIPE,
+                               text=True, start_new_session=True, pass_fds=lifeline.pass_fds(),
+                               env={**os.environ, **lifeline.child_env()})
+    try:
+        child, own = service.stdout.readline().split()
+        assert set(procs.group_pids(service.pid)) == {service.pid, int(child)}
+        assert segment.exists() and Path(own).exists()
+        os.close(lifeline.read_fd)
+        time.sleep(1)
+        assert service.poll() is None, "the service ended while its lifeline held"
+        os.close(lifeline.write_fd)  # `up` is gone
+        started = time.monotonic()
+        service.wait(10)
+        assert service.returncode == -signal.SIGKILL
+        while procs.group_pids(service.pid) and time.monotonic() - started < 10:
+            time.sleep(0.1)
+        assert procs.group_pids(service.pid) == [], "its child outlived it"
+        assert not segment.exists() and not Path(own).exists(), "its shared memory was left"
+    finally:
+        if procs.group_pids(service.pid):
+            os.killpg(service.pid, signal.SIGKILL)
+        for path in Path(procs.SHM_DIR).glob(f"*{run_id}*"):
+            path.unlink(missing_ok=True)

@@ -53,6 +53,12 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def created_by(path: str | Path) -> int | None:
+    """The pid that created dgrpo segment `path` in this pid namespace; None for any other file."""
+    m = _NAME.match(Path(path).name)
+    return int(m.group("pid")) if m and int(m.group("ns")) == pid_namespace() else None
+
+
 def stale_segments(shm_dir: str | Path) -> list[Path]:
     """dgrpo segments in shm_dir whose creating process (in our pid namespace) is gone: a crashed or killed run's."""
     folder = Path(shm_dir)

@@ -56,7 +56,7 @@ def shm_files(pids: Iterable[int]) -> set[str]:
     return found
 
 
-def _all_pids() -> list[int]:
+def all_pids() -> list[int]:
     return [int(e.name) for e in os.scandir("/proc") if e.name.isdigit()]
 
 
@@ -82,7 +82,7 @@ def unlink_orphaned(paths: Iterable[str]) -> list[str]:
                   and os.path.exists(p)}
     if not candidates:
         return []
-    in_use = shm_files(_all_pids())
+    in_use = shm_files(all_pids())
     removed = []
     for path in sorted(candidates - in_use):
         try:

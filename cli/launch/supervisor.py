@@ -16,7 +16,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 from dgrpo.cli.launch import procs
+from dgrpo.cli.launch.exits import OomWatch, exit_cause, memory_advice, oom_counter_file, resume_point
 from dgrpo.cli.launch.hang_watch import HangWatch
+from dgrpo.cli.launch.lifeline import Lifeline
 from dgrpo.cli.launch.terminal import worth_showing
 from dgrpo.common.config import load_config
 
@@ -48,6 +50,8 @@ class Service:
     serving_since: float | None = None
     shm: set[str] = field(default_factory=set)
     """/dev/shm files its processes were seen using: unlinked when it is reaped, unless still in use."""
+    oom: OomWatch | None = None
+    """The OOM kill counter when it was last started (cli/launch/exits.py)."""
 
 
 class Stack:
@@ -63,7 +67,10 @@ class Stack:
         self.services: list[Service] = []
         self._print_lock = threading.Lock()
         self._stopping = threading.Event()
+        self._launching = threading.Lock()  # a restart's launch and a stop asked meanwhile: one after the other
         self._last_snapshot = 0.0
+        self.lifeline = Lifeline()  # its services end with their trees when `up` dies, however (lifeline.py)
+        self.oom_file = oom_counter_file()
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
 
     def say(self, message: str) -> None:
@@ -79,13 +86,15 @@ class Stack:
         return svc
 
     def _launch(self, svc: Service) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.lifeline.child_env()}
+        svc.oom = OomWatch.start(self.oom_file)
         # Its own session, so its whole tree (vLLM's engine core and workers) is one process group to reap.
         svc.proc = subprocess.Popen(
             [sys.executable, "-m", "dgrpo.cli", svc.command, "--config", str(self.config_path), *svc.overrides],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True, text=True, bufsize=1,
+            pass_fds=self.lifeline.pass_fds(),
         )
-        svc.serving_since = None
+        svc.serving_since = time.monotonic() if svc.command == "learner" else None  # the learner: up once started
         svc.pump = threading.Thread(target=self._pump, args=(svc, svc.proc), daemon=True)
         svc.pump.start()
 
@@ -131,10 +140,27 @@ class Stack:
         if svc.command != "learner" and self.hung_restart_s:
             self.hang.watch(svc.port)
 
-    def signal(self, name_prefix: str, sig: int) -> None:
-        for svc in self.services:
-            if svc.name.startswith(name_prefix) and svc.proc.poll() is None:
-                svc.proc.send_signal(sig)
+    def signal(self, name_prefix: str, sig: int, *, stopping: bool = False) -> None:
+        """Send `sig` to the services named so; `stopping`: they are asked to end, so are not restarted."""
+        with self._launching:
+            for svc in self.services:
+                if svc.name.startswith(name_prefix):
+                    svc.expected_exit = svc.expected_exit or stopping
+                    if svc.proc.poll() is None:
+                        svc.proc.send_signal(sig)
+
+    def learner_ended(self, learner: Service) -> bool:
+        """The learner is done: exited and neither restarting nor to be restarted (finished, stopped, given up)."""
+        return learner.proc.poll() is not None and not learner.restarting and (
+            learner.expected_exit or learner.gone or learner.proc.returncode == 0)
+
+    def describe_exit(self, svc: Service) -> str:
+        """How `svc` ended and the likely cause; out of memory: `dgrpo plan`'s figure and the first knob."""
+        oom = svc.oom.evidence(svc.proc.pid) if svc.oom else (None, "")
+        line, out_of_memory = exit_cause(svc.name, svc.proc.returncode, oom, "".join(svc.lines[-20:]))
+        if out_of_memory and svc.command in ("learner", "sampler"):
+            line += f"; {memory_advice(self.config_path, svc.command)}"
+        return line
 
     # ---- supervision while the learner trains -----------------------------------------------------------------
 
@@ -145,9 +171,16 @@ class Stack:
         now = time.monotonic()
         snapshot = now - self._last_snapshot > SHM_SNAPSHOT_S
         for svc in self.services:
-            if svc.command == "learner" or svc.expected_exit or svc.restarting or svc.gone:
+            if svc.expected_exit or svc.restarting or svc.gone:
                 continue
+            if svc.command == "learner" and svc.proc.poll() is not None and (
+                    svc.proc.returncode == 0 or self._stopping.is_set()):
+                continue  # done: finished, or stopped after a step (Ctrl-C, the Stop RPC)
             if svc.proc.poll() is None:
+                if svc.command == "learner":
+                    if svc.restarts and now - svc.serving_since > RESTART_WINDOW_S:
+                        svc.restarts = 0
+                    continue
                 if svc.serving_since is not None:
                     silent = self.hang.silent_for(svc.port)
                     if self.hung_restart_s and silent > self.hung_restart_s:
@@ -161,15 +194,22 @@ class Stack:
                     if svc.restarts and now - svc.serving_since > RESTART_WINDOW_S:
                         svc.restarts = 0  # up for a good while: a crash next week gets the full budget again
                 continue
-            self.say(f"{svc.name} exited with {svc.proc.returncode}")
+            line = self.describe_exit(svc)
             self.reap(svc)
-            if svc.restarts >= self.max_restarts:
+            if svc.command == "learner" and svc.proc.returncode == 2:
                 svc.gone = True
-                self.say(f"{svc.name} is gone: it died {svc.restarts + 1} times within {RESTART_WINDOW_S:.0f}s "
-                         f"(--max-restarts {self.max_restarts})")
+                self.say(f"{line}: a configuration or start-up error, which a restart would repeat: not restarted")
+            elif svc.restarts >= self.max_restarts:
+                svc.gone = True
+                self.say(f"{line}; {svc.name} is gone: it died {svc.restarts + 1} times within "
+                         f"{RESTART_WINDOW_S:.0f}s (--max-restarts {self.max_restarts})")
             else:
+                delay = min(self.restart_backoff_s * 2 ** svc.restarts, MAX_RESTART_BACKOFF_S)
+                resumes = f": {self._resume_point()}" if svc.command == "learner" else ""
+                self.say(f"{line}; restarting it in {delay:.0f}s (restart {svc.restarts + 1} of "
+                         f"{self.max_restarts}){resumes}")
                 svc.restarting = True
-                threading.Thread(target=self._restart, args=(svc,), daemon=True).start()
+                threading.Thread(target=self._restart, args=(svc, delay), daemon=True).start()
         if snapshot:
             self._last_snapshot = now
         samplers = [s for s in self.services if s.command == "sampler"]
@@ -179,15 +219,26 @@ class Stack:
             return "the rewarder is gone"
         return None
 
-    def _restart(self, svc: Service) -> None:
-        """Wait out the backoff, start `svc` again on its port, wait for SERVING (runs in its own thread)."""
+    def _resume_point(self) -> str:
+        from dgrpo.cli.stack import StackConfig
+
         try:
-            delay = min(self.restart_backoff_s * 2 ** svc.restarts, MAX_RESTART_BACKOFF_S)
-            self.say(f"restarting {svc.name} in {delay:.0f}s (restart {svc.restarts + 1} of {self.max_restarts})")
+            return resume_point(load_config(StackConfig, self.config_path).learner.checkpoint)
+        except Exception as e:  # noqa: BLE001 (only the line's wording depends on it)
+            return f"it resumes as learner.checkpoint.resume says ({e})"
+
+    def _restart(self, svc: Service, delay: float) -> None:
+        """Wait out the backoff, start `svc` again (on its port; a service: wait for SERVING). In its own thread."""
+        try:
             if self._stopping.wait(delay):
                 return
-            svc.restarts += 1
-            self._launch(svc)
+            with self._launching:
+                if svc.expected_exit or self._stopping.is_set():  # asked to stop meanwhile (Ctrl-C)
+                    return
+                svc.restarts += 1
+                self._launch(svc)
+            if svc.command == "learner":
+                return  # it resumes from its checkpoint by itself (learner.checkpoint.resume)
             try:
                 self.wait_serving(svc, self.start_timeout)
             except (RuntimeError, TimeoutError) as e:

@@ -9,19 +9,23 @@ Every service binds 127.0.0.1 and requires a token: the one configured (`auth.to
 a fresh one per run, kept owner-only in `<run>/token` for other clients. Children inherit it through DGRPO_TOKEN;
 health, which `up` polls, needs none.
 
-Supervision (cli/launch/supervisor.py), as `docker compose up` does it and a bit more: the rewarder and samplers
-start first and must answer gRPC health SERVING; then the learner runs. A sampler or the rewarder that dies
-meanwhile is reaped (its whole process group, vLLM's engine and workers included, and the shared memory only it
-used) and restarted on its port after a backoff, at most --max-restarts times within 10 minutes; one that stops
-answering its gRPC health check without exiting (frozen, cut off) is killed after --hung-restart-s and restarted the
-same way (cli/launch/hang_watch.py). Training goes on throughout (the learner's calls to a dead replica go to the
-others or wait for it to come back, and a restarted sampler catches up to the current weights before it serves).
-When every sampler, or the rewarder, is given up, the learner is stopped first: it drops the step it cannot finish
-and keeps its last completed step in a checkpoint; then the rest is stopped and `up` exits 1. When the learner
-finishes, everything is stopped and a report is written. Ctrl-C (or SIGTERM) asks the learner to stop after its step
-(it checkpoints, and the report covers the steps that ran), a second one to drop the step in flight, a third kills
-it. SIGHUP is forwarded to the rewarder: it reloads its reward specification in place (hot swap) while training goes
-on. """
+Supervision (cli/launch/supervisor.py), as `docker compose up` does it and a bit more: the rewarder and samplers start
+first and must answer gRPC health SERVING; then the learner runs. A learner that exits non-zero or by a signal (not a
+configuration error, exit 2) is restarted as the services below are and resumes from its newest checkpoint, as compose's
+`on-failure` and Kubernetes do. Every death is said in one line naming the service, the signal or exit code and the
+likely cause, out of memory only on the kernel's own record (cli/launch/exits.py), with `dgrpo plan`'s figure and the
+knob to turn first. A sampler or the rewarder that dies meanwhile is reaped (its whole process group, vLLM's engine and
+workers included, and the shared memory only it used) and restarted on its port after a backoff, at most --max-restarts
+times within 10 minutes; one that stops answering its gRPC health check without exiting (frozen, cut off) is killed
+after --hung-restart-s and restarted the same way (cli/launch/hang_watch.py). Training goes on throughout (the
+learner's calls to a dead replica go to the others or wait for it to come back, and a restarted sampler catches up to
+the current weights before it serves). When every sampler, or the rewarder, is given up, the learner is stopped first:
+it drops the step it cannot finish and keeps its last completed step in a checkpoint; then the rest is stopped and `up`
+exits 1. When the learner finishes, everything is stopped and a report is written. Ctrl-C (or SIGTERM) asks the learner
+to stop after its step (it checkpoints, and the report covers the steps that ran), a second one to drop the step in
+flight, a third kills it. SIGHUP is forwarded to the rewarder: it reloads its reward specification in place (hot swap)
+while training goes on. However `up` itself ends (SIGKILL and the OOM killer included), every service it started ends
+within seconds, with its process tree and shared memory (cli/launch/lifeline.py). """
 
 from __future__ import annotations
 
@@ -129,7 +133,7 @@ def run(args) -> int:
         n = interrupted["count"]
         print(f"\ndgrpo up: {['stopping after this step', 'dropping the step in flight', 'killing'][min(n, 3) - 1]}"
               " ...", flush=True)
-        stack.signal("learner", signal.SIGTERM if n < 3 else signal.SIGKILL)
+        stack.signal("learner", signal.SIGTERM if n < 3 else signal.SIGKILL, stopping=True)
 
     signal.signal(signal.SIGINT, on_interrupt)
     signal.signal(signal.SIGTERM, on_interrupt)
@@ -168,7 +172,7 @@ def _train(stack: Stack, cfg, args, run_dir: Path, sampler_ports, rewarder_port,
     learner = stack.start(Service("learner", "learner", []))
     stack.hang.start()
     progress = Progress(run_dir / "metrics.jsonl", cfg.learner.trainer.total_training_steps)
-    while learner.proc.poll() is None:
+    while not stack.learner_ended(learner):  # a learner that crashed is restarted and resumes meanwhile
         lost = stack.supervise()
         if lost is not None:
             stack.say(f"{lost}: stopping the learner (it keeps its last completed step)")
@@ -213,8 +217,8 @@ def main(argv: list[str] | None = None) -> int:
                              "the missing <task>-train/-val files a config names")
     parser.add_argument("--start-timeout", type=float, default=600, help="seconds for a service to become healthy")
     parser.add_argument("--max-restarts", type=int, default=3,
-                        help="restarts of a dead sampler or rewarder within 10 minutes before it is given up "
-                        "(default 3)")
+                        help="restarts of a dead sampler, rewarder or learner (a crashed learner resumes from its "
+                             "newest checkpoint) within 10 minutes before it is given up (default 3)")
     parser.add_argument("--hung-restart-s", type=float, default=60.0, metavar="S",
                         help="kill and restart a sampler or the rewarder that has not answered its gRPC health check "
                              "for S seconds although its process runs (frozen, cut off); 0: never (default 60). "

@@ -22,7 +22,6 @@ import dataclasses
 import errno
 import json
 import random
-import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -42,10 +41,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from dgrpo.common.preflight import check_replaceable, checkpoint_bytes, disk_full, export_bytes, fmt_bytes
+from dgrpo.learner.records.checkpoint_dirs import list_checkpoints
 from dgrpo.learner.update.actor import Actor
 from dgrpo.learner.update.config import CheckpointConfig
-
-_STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
 class CheckpointError(RuntimeError):
@@ -230,15 +228,6 @@ def save_checkpoint(
                 shutil.rmtree(old, ignore_errors=True)
     _barrier(actor)
     return final
-
-
-def list_checkpoints(root: str | Path) -> list[Path]:
-    """Complete checkpoints under `root`, oldest first."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name))]
-    return [p for _, p in sorted(found) if (p / "meta.json").is_file()]
 
 
 def resume_path(cfg: CheckpointConfig) -> Path | None:
