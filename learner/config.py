@@ -114,13 +114,17 @@ class RolloutConfig(StrictConfig):
     replica is hedged, at every batch length (seconds on a small model, minutes on a large one). 0: `hedge_after_s`
     alone."""
     straggler_speed: float | None = Field(default=0.5, gt=0, lt=1)
-    """A replica holding prompts whose engine steps slower than this share of the fastest replica's, at two checks
-    in a row, is a straggler: its pending prompts are hedged at once on the fastest healthy replica, busy or not
-    (its engine batches them with its own work), instead of after that replica has finished its chunk and waited
-    `hedge_after_s` (learner/rollout/stragglers.py). null: hedge from idle replicas only. Off with `hedge_after_s:
-    null`."""
+    """A replica holding prompts whose engine steps slower than this share of the fastest replica's, over a trailing
+    window of at least two checks that holds enough of the fastest one's steps (7 at 0.5; more the closer this is
+    to 1, so that engine steps longer than a check never make equal replicas read slow), is a straggler: its pending
+    prompts are hedged at once on the fastest healthy replica, busy or not (its engine batches them with its own
+    work), instead of after that replica has finished its chunk and waited `hedge_after_s`. An idle replica does not
+    duplicate the prompts of one found keeping pace: that copy would start from the first token behind an original
+    already generating at about its speed (learner/rollout/stragglers.py). null: hedge from idle replicas only,
+    whatever their speed. Off with `hedge_after_s: null`."""
     straggler_check_s: float = Field(default=0.25, gt=0)
-    """How often the engine step counters (Info's engine_steps) of the replicas holding prompts are read."""
+    """How often the engine step counters (Info's engine_steps) of the replicas holding prompts are read; a verdict
+    needs readings spanning two checks (one for a straggler of the previous batch) and the fastest one's steps."""
     max_staleness: int = Field(default=0, ge=0, le=16)
     """Asynchronous GRPO (learner/rollout/pipeline.py): how many versions behind the policy being updated a sample may
     be. 0: lockstep, on-policy (sample, then train, then publish). k >= 1: batches t+1 ... t+k are sampled and

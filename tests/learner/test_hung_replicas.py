@@ -223,7 +223,8 @@ def test_an_engine_that_stops_stepping_is_found_by_the_progress_check(samplers):
 def test_a_straggler_is_hedged_on_the_busy_replica_from_its_engine_step_rate(samplers):
     """The straggler watch: b's engine does not step (held until a has delivered one of b's prompts, bounded) while
     a is still busy with its own chunk. Idle hedging would wait a minute; the watch sees b stepping slower than half
-    of a at two checks in a row and duplicates b's prompts on a at once, so the batch ends long before that."""
+    of a over a window of two checks (and 7 of a's steps) and duplicates b's prompts on a at once, so the batch ends
+    long before that."""
     a, b = samplers
     cfg = RolloutConfig(**{**FAST, "keepalive_s": 10.0, "keepalive_timeout_s": 5.0}, progress_timeout_s=120.0,
                         hedge_after_s=60.0, hedge_after_share=0.0, straggler_speed=0.5, straggler_check_s=0.5)

@@ -3,7 +3,8 @@ in processes of their own whose speed and faults are a script, driven by the rea
 set short. What test_hung_replicas.py checks through real engines under minutes of wall-clock slack is checked here
 in seconds, each behaviour in isolation: hedging an idle-detected straggler, the straggler watch from engine step
 rates (a slow engine, a stalled one), keepalive finding a frozen process, the progress check finding an engine that
-stopped stepping, retries after a dropped stream or a killed replica, and no hedge at all between equal replicas.
+stopped stepping, retries after a dropped stream or a killed replica, and no hedge at all between equal replicas
+(also when their engine steps take longer than a check, as on a loaded host).
 
 Every claim is read from what the client yields (each prompt's group exactly once, valid), its RolloutStats, and the
 replicas' journals (what each one was asked to generate, and when a call was cancelled).
@@ -124,7 +125,8 @@ def test_a_straggler_is_hedged_on_the_idle_fast_replica(child_processes, replica
 def test_the_straggler_watch_hedges_on_the_busy_replica(child_processes, replicas, slow_script):
     """While r0 is still busy with its own chunk, r1's engine steps at a tenth of r0's (slow), or not at all while its
     gRPC server answers Info (stalled): the watch reads both engine_steps every check, finds r1 slower than half of
-    r0 twice in a row and hedges all of r1's prompts on r0 at once, long before idle hedging (20 s) would."""
+    r0 over a window of two checks and hedges all of r1's prompts on r0 at once, long before idle hedging (20 s)
+    would."""
     fast, slow = replicas({"replica_id": "r0", "rate": 50}, {"replica_id": "r1", **slow_script})
     cfg = config(max_response_length=80, hedge_after_s=20.0, straggler_speed=0.5, straggler_check_s=0.2)
     stats = RolloutStats()
