@@ -18,7 +18,10 @@ is the pipeline's scale-down and scale-up), with the shipped keepalive, progress
 The run is a chain of module-scoped phase fixtures (one per fault above), each keeping what it saw; every test
 checks one property of one phase. Then the loss of the only sampler with no restart left (the learner drops the
 step it cannot finish, keeps the last completed one in a checkpoint, `up` exits 1 and leaves nothing running).
-Every freeze is undone in `finally`.
+Every freeze is undone in `finally`. Last, a short run of one replica whose learner is killed with kill -9 (as the
+OOM killer would): `up` says so in one line and restarts it, and it resumes from its newest checkpoint; then `up`
+itself is SIGKILLed mid-step, and within 10 s no process of the run and none of its shared memory is left
+(cli/launch/lifeline.py).
 """
 
 from __future__ import annotations
@@ -337,3 +340,91 @@ def test_losing_the_only_sampler_keeps_the_last_completed_step(launcher, tiny_mo
     assert procs.group_pids(pgid) == [] and (learner_pgid is None or procs.group_pids(learner_pgid) == [])
     assert not [p for p in shm_only_its if os.path.exists(p)]
     assert not list(Path("/dev/shm").glob("dgrpo-w-lost*"))
+
+
+# ---- a crashed learner, then `up` itself killed --------------------------------------------------------------------
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+@pytest.fixture(scope="module")
+def learner_killed(launcher, tiny_model, tmp_path_factory):
+    """One replica, a checkpoint every 2 steps; the learner's leader killed with kill -9 once one is saved."""
+    tmp = tmp_path_factory.mktemp("orphans")
+    run_dir, ckpt = tmp / "runs" / "orphans", tmp / "ckpt"
+    proc, log = _start(up_command(tiny_model, tmp, "orphans", 1000, "learner.checkpoint.save_freq=2"), tmp)
+    run = {"proc": proc, "log": log, "run_dir": run_dir, "metrics": run_dir / "metrics.jsonl", "ckpt": ckpt}
+    try:
+        stack = wait_for(lambda: (run_dir / "stack.yaml").is_file() and yaml.safe_load(
+            (run_dir / "stack.yaml").read_text()), 60, "no stack.yaml", proc, log)
+        wait_for(lambda: (ckpt / "step_2" / "meta.json").is_file(), 400, "no checkpoint at step 2", proc, log)
+        learner = os.getpgid(listener_pid(stack["weights"]["announce_port"]))  # its leader: the group's id
+        newest = max(int(p.parent.name.split("_")[1]) for p in ckpt.glob("step_*/meta.json"))
+        os.kill(learner, signal.SIGKILL)
+        killed_at = max(_steps_logged(run["metrics"]), default=0)
+        learner_log = run_dir / "logs" / "learner.log"
+        wait_for(lambda: "resumed from" in learner_log.read_text().partition("restart 1 of learner")[2], 120,
+                 "the restarted learner did not resume", proc, log)
+        wait_for(lambda: max(_steps_logged(run["metrics"]), default=0) > killed_at, 120,
+                 "no step after the learner's restart", proc, log)
+        run.update(newest=newest, killed_at=killed_at, stack=stack, text=log.read_text(),
+                   learner_log=learner_log.read_text())
+        yield run
+    finally:
+        stop_up(proc, run_dir)
+
+
+@pytest.fixture(scope="module")
+def up_killed(learner_killed):
+    """`up` SIGKILLed while a step is in flight; what of the run was running and mapped just before."""
+    run = learner_killed
+    marker = str(run["run_dir"] / "stack.yaml")
+    leaders = [p for p in map(int, filter(str.isdigit, os.listdir("/proc"))) if marker in _cmdline(p)]
+    pids = sorted({pid for leader in leaders for pid in procs.group_pids(leader)})
+    shm = {p for p in procs.shm_files(pids) if Path(p).exists()}
+    shm |= {str(p) for p in Path("/dev/shm").glob("dgrpo-w-orphans*")}
+    at = max(_steps_logged(run["metrics"]))
+    run["proc"].kill()
+    run["proc"].wait()
+    killed, deadline = time.monotonic(), time.monotonic() + 10
+    while time.monotonic() < deadline and (any(map(_alive, pids)) or any(os.path.exists(p) for p in shm)):
+        time.sleep(0.2)
+    return {"leaders": leaders, "pids": pids, "shm": shm, "at": at, "seconds": time.monotonic() - killed,
+            "left": [p for p in pids if _alive(p)], "shm_left": [p for p in shm if os.path.exists(p)],
+            "steps_after": max(_steps_logged(run["metrics"])) - at}
+
+
+def test_a_killed_learner_is_restarted_with_one_line_and_resumes_from_its_newest_checkpoint(learner_killed):
+    run = learner_killed
+    newest = run["ckpt"] / f"step_{run['newest']}"
+    # No OOM here: the line says SIGKILL without claiming it (the wording for an OOM kill: tests/test_exits.py).
+    line = next(x for x in run["text"].splitlines() if "learner was killed by SIGKILL" in x)
+    assert "out of memory" not in line and ("something sent it" in line or "no OOM record readable" in line), line
+    assert line.endswith(f"restarting it in 2s (restart 1 of 3): it resumes from its newest checkpoint {newest}"), \
+        line
+    assert f"resumed from {newest} at step {run['newest']}" in run["learner_log"].partition("restart 1 of learner")[2]
+
+
+def test_the_restarted_learner_trains_every_step_once(learner_killed, up_killed):
+    steps = _steps_logged(learner_killed["metrics"])
+    assert steps == list(range(1, len(steps) + 1)), "a step was lost or repeated"
+
+
+def test_killing_up_mid_step_leaves_no_process_and_no_shared_memory_of_the_run(up_killed):
+    assert len(up_killed["leaders"]) == 3 and len(up_killed["pids"]) > 3, up_killed  # the engine's processes too
+    assert up_killed["shm"], "the run mapped no /dev/shm segment: nothing was checked"
+    assert not up_killed["left"], f"still running {up_killed['seconds']:.0f}s after up was killed: {up_killed}"
+    assert not up_killed["shm_left"], f"left in /dev/shm: {up_killed['shm_left']}"
+    assert up_killed["steps_after"] <= 1, "the learner trained on without up"  # 1: a step ending as `up` died

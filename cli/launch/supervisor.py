@@ -51,6 +51,8 @@ class Service:
     shm: set[str] = field(default_factory=set)
     """/dev/shm files its processes were seen using: unlinked when it is reaped, unless still in use."""
     oom: OomWatch | None = None
+    killed_for: str = ""
+    """Why `up` itself killed it (a hung service), so its death is not blamed on anyone else."""
     """The OOM kill counter when it was last started (cli/launch/exits.py)."""
 
 
@@ -87,7 +89,7 @@ class Stack:
 
     def _launch(self, svc: Service) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.lifeline.child_env()}
-        svc.oom = OomWatch.start(self.oom_file)
+        svc.oom, svc.killed_for = OomWatch.start(self.oom_file), ""
         # Its own session, so its whole tree (vLLM's engine core and workers) is one process group to reap.
         svc.proc = subprocess.Popen(
             [sys.executable, "-m", "dgrpo.cli", svc.command, "--config", str(self.config_path), *svc.overrides],
@@ -156,6 +158,8 @@ class Stack:
 
     def describe_exit(self, svc: Service) -> str:
         """How `svc` ended and the likely cause; out of memory: `dgrpo plan`'s figure and the first knob."""
+        if svc.killed_for:
+            return f"{svc.name} was killed by dgrpo up ({svc.killed_for})"
         oom = svc.oom.evidence(svc.proc.pid) if svc.oom else (None, "")
         line, out_of_memory = exit_cause(svc.name, svc.proc.returncode, oom, "".join(svc.lines[-20:]))
         if out_of_memory and svc.command in ("learner", "sampler"):
@@ -187,6 +191,7 @@ class Stack:
                         self.say(f"{svc.name} has not answered its health check for {silent:.0f}s (frozen or cut "
                                  f"off; --hung-restart-s {self.hung_restart_s:g}): killing it to restart it")
                         self.hang.unwatch(svc.port)
+                        svc.killed_for = f"silent for {silent:.0f}s"
                         os.killpg(svc.proc.pid, signal.SIGKILL)  # also ends a stopped process group
                         continue  # the next round reaps and restarts it like any service that died
                     if snapshot:
@@ -195,7 +200,6 @@ class Stack:
                         svc.restarts = 0  # up for a good while: a crash next week gets the full budget again
                 continue
             line = self.describe_exit(svc)
-            self.reap(svc)
             if svc.command == "learner" and svc.proc.returncode == 2:
                 svc.gone = True
                 self.say(f"{line}: a configuration or start-up error, which a restart would repeat: not restarted")
@@ -209,6 +213,8 @@ class Stack:
                 self.say(f"{line}; restarting it in {delay:.0f}s (restart {svc.restarts + 1} of "
                          f"{self.max_restarts}){resumes}")
                 svc.restarting = True
+            self.reap(svc)  # after the line saying why it died
+            if svc.restarting:
                 threading.Thread(target=self._restart, args=(svc, delay), daemon=True).start()
         if snapshot:
             self._last_snapshot = now
@@ -244,6 +250,7 @@ class Stack:
             except (RuntimeError, TimeoutError) as e:
                 self.say(f"{svc.name} did not come back: {str(e).splitlines()[0]}")
                 if svc.proc.poll() is None:  # hung while starting: the next round reaps it and decides
+                    svc.killed_for = "not SERVING in time after its restart"
                     os.killpg(svc.proc.pid, signal.SIGKILL)
                     svc.proc.wait()
                 return
