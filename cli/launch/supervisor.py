@@ -51,9 +51,9 @@ class Service:
     shm: set[str] = field(default_factory=set)
     """/dev/shm files its processes were seen using: unlinked when it is reaped, unless still in use."""
     oom: OomWatch | None = None
+    """The OOM kill counter when it was last started (cli/launch/exits.py)."""
     killed_for: str = ""
     """Why `up` itself killed it (a hung service), so its death is not blamed on anyone else."""
-    """The OOM kill counter when it was last started (cli/launch/exits.py)."""
 
 
 class Stack:
